@@ -1,0 +1,93 @@
+"""kda_kcp: chunked KDA (Kimi Delta Attention) training with context parallelism (KCP).
+
+The facade routes on ``deterministic`` to the sibling packages ``kda_kcp.det`` (bitwise repeatable) and
+``kda_kcp.nondet`` (may use atomics). ``deterministic=False`` while
+``torch.use_deterministic_algorithms(True)`` is on runs the deterministic package and warns once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import det, nondet
+from .context import KcpContext, build_context_kcp
+from .partition import LAYOUTS, partition_kcp
+from .validate import check_flag
+from .workspace import WorkspaceKcp
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LAYOUTS",
+    "KcpContext",
+    "WorkspaceKcp",
+    "build_context_kcp",
+    "partition_kcp",
+    "chunk_kda_kcp",
+    "chunk_kda_fwd_kcp",
+    "chunk_kda_bwd_kcp",
+    "kda_workspace_bytes_kcp",
+    "kda_saved_bytes_kcp",
+    "kda_comm_bytes_kcp",
+]
+
+_warned_forced_det = False
+
+
+def _package(deterministic):
+    """det or nondet for this flag (nondet is overridden by torch's deterministic mode, with one warning)."""
+    global _warned_forced_det
+    if not check_flag("deterministic", deterministic):
+        if not torch.are_deterministic_algorithms_enabled():
+            return nondet
+        if not _warned_forced_det:
+            _warned_forced_det = True
+            warnings.warn(
+                "kda_kcp: deterministic=False while torch.use_deterministic_algorithms(True) is on; "
+                "running the deterministic package kda_kcp.det",
+                UserWarning,
+                stacklevel=3,
+            )
+    return det
+
+
+def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, workspace=None, validate=None):
+    """KDA over this rank's shard of a packed batch; differentiable (works under torch.utils.checkpoint).
+
+    q, k [T, H, K] and v [T, H, V] (BF16 on the CUDA backend), g [T, H, K] FP32 log decay in [-5, 0),
+    beta [T, H] in (0, 1), ctx from build_context_kcp, scale default K^-1/2. Returns o [T, H, V].
+    """
+    pkg = _package(deterministic)
+    return pkg.chunk_kda_kcp(q, k, v, g, beta, ctx, scale, pkg.DETERMINISTIC, workspace, validate)
+
+
+def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, workspace=None, validate=None):
+    """Forward only: returns (o, saved); pass saved to chunk_kda_bwd_kcp."""
+    pkg = _package(deterministic)
+    return pkg.chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale, pkg.DETERMINISTIC, workspace, validate)
+
+
+def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=True, workspace=None):
+    """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta) in the input dtypes."""
+    pkg = _package(deterministic)
+    return pkg.chunk_kda_bwd_kcp(do, saved, ctx, pkg.DETERMINISTIC, workspace)
+
+
+def kda_workspace_bytes_kcp(ctx, num_heads, deterministic=True, local_arena="replay", lean_passes=None, **kw):
+    """Bytes of workspace a call of this context needs (size a WorkspaceKcp with the same arguments)."""
+    pkg = _package(deterministic)
+    return pkg.kda_workspace_bytes_kcp(ctx, num_heads, pkg.DETERMINISTIC, local_arena, lean_passes, **kw)
+
+
+def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, **kw):
+    """Bytes the forward keeps for the backward beyond references to the inputs."""
+    pkg = _package(deterministic)
+    return pkg.kda_saved_bytes_kcp(ctx, num_heads, pkg.DETERMINISTIC, **kw)
+
+
+def kda_comm_bytes_kcp(ctx, num_heads, deterministic=True, **kw):
+    """Bytes this rank sends plus receives over the group in one forward + backward step."""
+    pkg = _package(deterministic)
+    return pkg.kda_comm_bytes_kcp(ctx, num_heads, pkg.DETERMINISTIC, **kw)

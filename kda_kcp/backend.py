@@ -1,0 +1,77 @@
+"""Which backend runs a call: the CUDA kernels on sm_90a / sm_100a / sm_103a, else the torch backend.
+
+``KDA_KCP_BACKEND=torch|cuda`` forces one. On a GPU without kernels the torch backend runs, with one
+warning per process.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from .torch_backend import TorchBackend
+
+__all__ = ["select_backend", "KERNEL_CAPABILITIES", "BackendUnavailable"]
+
+# compute capabilities the library builds kernels for: sm_90a, sm_100a, sm_103a
+KERNEL_CAPABILITIES = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+
+_TORCH = TorchBackend()
+_cuda_backends: dict[bool, object] = {}
+_warned_fallback = False
+
+
+class BackendUnavailable(RuntimeError):
+    """KDA_KCP_BACKEND=cuda was asked for but the CUDA backend cannot run here."""
+
+
+def _cuda_backend(deterministic: bool):
+    if deterministic not in _cuda_backends:
+        from .cuda import CudaBackend  # imported lazily: loading kernels needs tvm_ffi and a GPU
+
+        try:
+            _cuda_backends[deterministic] = CudaBackend(deterministic=deterministic)
+        except TypeError:  # a backend without the det/nondet split (forward-only kernels)
+            _cuda_backends[deterministic] = CudaBackend()
+    return _cuda_backends[deterministic]
+
+
+def select_backend(device: torch.device, deterministic: bool):
+    """The backend object for tensors on ``device``."""
+    global _warned_fallback
+    forced = os.environ.get("KDA_KCP_BACKEND", "").strip().lower()
+    if forced not in ("", "torch", "cuda"):
+        raise ValueError(f"KDA_KCP_BACKEND must be 'torch' or 'cuda', got {forced!r}")
+    if forced == "torch":
+        return _TORCH
+    if device.type != "cuda":
+        if forced == "cuda":
+            raise BackendUnavailable(f"KDA_KCP_BACKEND=cuda, but the tensors are on {device}, not a CUDA device")
+        return _TORCH
+    cap = torch.cuda.get_device_capability(device)
+    if cap not in KERNEL_CAPABILITIES:
+        if forced == "cuda":
+            raise BackendUnavailable(
+                f"KDA_KCP_BACKEND=cuda, but {torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}; "
+                f"kernels exist for {sorted(KERNEL_CAPABILITIES.values())}"
+            )
+        if not _warned_fallback:
+            _warned_fallback = True
+            warnings.warn(
+                f"kda_kcp has no kernels for sm_{cap[0]}{cap[1]} ({torch.cuda.get_device_name(device)}); "
+                "running the torch backend, which is correct but slow",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return _TORCH
+    try:
+        return _cuda_backend(deterministic)
+    except ImportError as exc:
+        if forced == "cuda":
+            raise BackendUnavailable(f"KDA_KCP_BACKEND=cuda, but the CUDA backend cannot load: {exc}") from exc
+        if not _warned_fallback:
+            _warned_fallback = True
+            warnings.warn(f"kda_kcp CUDA backend unavailable ({exc}); running the torch backend", RuntimeWarning, stacklevel=3)
+        return _TORCH

@@ -1,0 +1,120 @@
+"""``build_context_kcp``: a packed batch's split over a process group, checked to agree on every rank."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .exchange import all_gather_flat, collective_device
+from .partition import LAYOUTS, check_cu_seqlens, partition_kcp
+from .plan import KcpPlan, LocalPlan, build_plan
+
+__all__ = ["KcpContext", "build_context_kcp"]
+
+
+class KcpContext:
+    """One rank's view of a packed batch split over a group (see DESIGN.md section 2).
+
+    Attributes: ``cu_seqlens`` (list of global offsets), ``layout``, ``group``, ``world_size``, ``rank``,
+    ``pieces`` (this rank's (start, end) global ranges, local order), ``token_index`` (global position of
+    every local token, int64, on the device of the cu_seqlens passed in), ``num_tokens`` (global T),
+    ``local_tokens``, ``plan`` (every rank's runs and exchange slots), ``local`` (this rank's runs).
+    """
+
+    def __init__(self, cu: list[int], layout: str, group, world_size: int, rank: int, device):
+        self.cu_seqlens = cu
+        self.layout = layout
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.parts = partition_kcp(cu, world_size, layout)
+        self.pieces = self.parts[rank]
+        self.plan: KcpPlan = build_plan(cu, self.parts)
+        self.num_tokens = cu[-1]
+        self.local_tokens = sum(e - s for s, e in self.pieces)
+        self.local = LocalPlan(self.local_tokens, self.plan.rank_runs[rank])
+        idx = [t for s, e in self.pieces for t in range(s, e)]
+        self.token_index = torch.tensor(idx, dtype=torch.long, device=device)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a global [T, ...] tensor, in local order (a new tensor)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"shard expects a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[0] != self.num_tokens:
+            raise ValueError(f"shard expects a tensor with T = {self.num_tokens} rows, got shape {tuple(x.shape)}")
+        return x.index_select(0, self.token_index.to(x.device))
+
+    def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
+        """Scatter this rank's local tokens into a zero global [T, ...] tensor (other ranks' rows stay 0)."""
+        if x_local.shape[0] != self.local_tokens:
+            raise ValueError(f"unshard expects {self.local_tokens} local rows, got shape {tuple(x_local.shape)}")
+        out = x_local.new_zeros(self.num_tokens, *x_local.shape[1:])
+        out[self.token_index.to(x_local.device)] = x_local
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"KcpContext(layout={self.layout!r}, world_size={self.world_size}, rank={self.rank}, "
+            f"T={self.num_tokens}, local_tokens={self.local_tokens}, docs={self.num_docs}, pieces={self.pieces})"
+        )
+
+
+def _fingerprint(cu: list[int], layout: str, world_size: int) -> list[int]:
+    blob = ",".join(map(str, cu)).encode()
+    return [world_size, LAYOUTS.index(layout), len(cu) - 1, cu[-1], zlib.crc32(blob), zlib.adler32(blob)]
+
+
+def _check_agreement(cu: list[int], layout: str, group, world_size: int, rank: int) -> None:
+    """One small all-gather: every rank must have passed the same cu_seqlens and layout."""
+    mine = _fingerprint(cu, layout, world_size)
+    dev = collective_device(group)
+    out = torch.empty(world_size * len(mine), dtype=torch.int64, device=dev)
+    all_gather_flat(out, torch.tensor(mine, dtype=torch.int64, device=dev), group)
+    rows = out.view(world_size, len(mine)).tolist()
+    problems = []
+    for w, row in enumerate(rows):
+        if row == mine:
+            continue
+        if row[1] != mine[1]:
+            problems.append(f"rank {w} passed layout={LAYOUTS[row[1]]!r}, rank {rank} passed {layout!r}")
+        if row[2:] != mine[2:]:
+            problems.append(
+                f"rank {w} passed cu_seqlens with {row[2]} documents and T = {row[3]}, rank {rank} passed "
+                f"{mine[2]} documents and T = {mine[3]}" + (" (same sizes, different offsets)" if row[2:4] == mine[2:4] else "")
+            )
+        if row[0] != mine[0]:
+            problems.append(f"rank {w} sees world size {row[0]}, rank {rank} sees {mine[0]}")
+    if problems:
+        raise ValueError("build_context_kcp: ranks disagree on the context: " + "; ".join(problems))
+
+
+def build_context_kcp(cu_seqlens, group=None, layout: str = "contiguous", world_size: int | None = None) -> KcpContext:
+    """Split the packed batch described by ``cu_seqlens`` over the ranks of ``group``.
+
+    group=None means one rank (W = 1, no collective). ``world_size``, if given, must equal the group's
+    size. With W > 1 every rank must call this with the same cu_seqlens and layout; a disagreement
+    raises ValueError on every rank (checked with one small all-gather) instead of hanging later.
+    """
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    cu = check_cu_seqlens(cu_seqlens)
+    if group is None:
+        W, rank = 1, 0
+    else:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group was given but torch.distributed is not initialized")
+        W, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of the group passed to build_context_kcp")
+    if world_size is not None and world_size != W:
+        raise ValueError(f"world_size={world_size} does not match the group, which has {W} ranks")
+    if W > 1:
+        _check_agreement(cu, layout, group, W, rank)
+    device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
+    return KcpContext(cu, layout, group, W, rank, device)

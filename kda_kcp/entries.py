@@ -1,0 +1,79 @@
+"""The entry points of one mode package (``kda_kcp.det`` or ``kda_kcp.nondet``).
+
+Both packages share the core (plan, exchanges, torch backend, build); what differs is the backend's
+kernels that reduce in parallel, chosen by the ``deterministic`` flag handed to ``select_backend``.
+A package's own entries take the same ``deterministic`` keyword as the facade and raise ValueError
+for the other mode's value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import workspace as _ws
+from .function import KdaKcpFunction, backward_kcp, forward_kcp
+from .validate import check_flag
+
+__all__ = ["ENTRY_NAMES", "make_entries"]
+
+ENTRY_NAMES = (
+    "chunk_kda_kcp",
+    "chunk_kda_fwd_kcp",
+    "chunk_kda_bwd_kcp",
+    "kda_workspace_bytes_kcp",
+    "kda_saved_bytes_kcp",
+    "kda_comm_bytes_kcp",
+    "WorkspaceKcp",
+)
+
+
+def make_entries(package: str, mode: bool) -> dict:
+    def _own(deterministic) -> None:
+        check_flag("deterministic", deterministic)
+        if deterministic is not mode:
+            other = "kda_kcp.nondet" if mode else "kda_kcp.det"
+            raise ValueError(
+                f"{package} runs deterministic={mode} only; got deterministic={deterministic} "
+                f"(use {other}, or the facade kda_kcp, which routes on the flag)"
+            )
+
+    def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None):
+        """Differentiable KDA over this rank's shard: returns o [T, H, V] (see kda_kcp.chunk_kda_kcp)."""
+        _own(deterministic)
+        return KdaKcpFunction.apply(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
+
+    def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None):
+        """Forward without autograd: returns (o, saved) for chunk_kda_bwd_kcp."""
+        _own(deterministic)
+        with torch.no_grad():
+            return forward_kcp(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
+
+    def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=mode, workspace=None):
+        """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta)."""
+        _own(deterministic)
+        if saved.deterministic is not mode:
+            raise ValueError(f"saved comes from a deterministic={saved.deterministic} forward; {package} is deterministic={mode}")
+        with torch.no_grad():
+            return backward_kcp(do, saved, ctx, workspace)
+
+    def kda_workspace_bytes_kcp(ctx, num_heads, deterministic=mode, local_arena="replay", lean_passes=None, **kw):
+        _own(deterministic)
+        return _ws.kda_workspace_bytes_kcp(ctx, num_heads, mode, local_arena, lean_passes, **kw)
+
+    def kda_saved_bytes_kcp(ctx, num_heads, deterministic=mode, **kw):
+        _own(deterministic)
+        return _ws.kda_saved_bytes_kcp(ctx, num_heads, mode, **kw)
+
+    def kda_comm_bytes_kcp(ctx, num_heads, deterministic=mode, **kw):
+        _own(deterministic)
+        return _ws.kda_comm_bytes_kcp(ctx, num_heads, mode, **kw)
+
+    def WorkspaceKcp(ctx, num_heads, device=None, deterministic=mode, local_arena="replay", lean_passes=None, **kw):
+        _own(deterministic)
+        return _ws.WorkspaceKcp(ctx, num_heads, device, mode, local_arena, lean_passes, **kw)
+
+    scope = locals()
+    entries = {name: scope[name] for name in ENTRY_NAMES}
+    for name, fn in entries.items():
+        fn.__module__, fn.__qualname__ = package, name
+    return entries

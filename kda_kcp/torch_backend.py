@@ -1,0 +1,113 @@
+"""The torch backend: the four local operations of a KCP call, built from the chunk stages and walks.
+
+It runs anywhere PyTorch runs (CPU, any GPU), for any head size and FP32/FP64 (BF16 inputs are
+computed in FP32). The CUDA backend (``kda_kcp.cuda``) implements the same four methods with kernels.
+
+    fwd_summaries  (M, E) of listed runs from a zero state            -> forward exchange
+    fwd_output     o of every run from its incoming state
+    bwd_summaries  (M^T, F) of listed runs from a zero state gradient  -> backward exchange
+    bwd_grads      dq, dk, dv, dg, dbeta of every run from its incoming state and outgoing state gradient
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunk import Prep, chunk_grads, chunk_prep, fwd_o
+from .plan import LocalPlan
+from .walk import Steps, reverse_walk, state_walk
+
+__all__ = ["TorchBackend", "compute_dtype"]
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+class _ChunkSet:
+    """The chunks of a subset of runs: a gather index [N, C] into the local tokens (padding -> T)."""
+
+    def __init__(self, plan: LocalPlan, run_ids: tuple[int, ...], device):
+        C = plan.chunk_size
+        rows, counts = [], []
+        for r in run_ids:
+            run = plan.runs[r]
+            n = -(-run.length // C)
+            counts.append(n)
+            for j in range(n):
+                s = run.local_start + j * C
+                e = min(run.local_start + run.length, s + C)
+                rows.append(list(range(s, e)) + [plan.num_tokens] * (C - (e - s)))
+        self.index = torch.tensor(rows, dtype=torch.long, device=device).reshape(-1, C)
+        self.steps = Steps.from_counts(counts, device)
+        self.num_tokens = plan.num_tokens
+
+    def gather(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, H, *] -> [N, H, C, *] (zero padding rows)."""
+        x = x.to(dtype)
+        pad = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)
+        y = pad[self.index]  # [N, C, H, *]
+        return y.movedim(1, 2).contiguous()
+
+    def scatter(self, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """[N, H, C, *] -> rows of out [T, H, *] (padding rows dropped)."""
+        y = y.movedim(2, 1)  # [N, C, H, *]
+        flat_idx = self.index.reshape(-1)
+        keep = flat_idx < self.num_tokens
+        out[flat_idx[keep]] = y.reshape(-1, *y.shape[2:])[keep].to(out.dtype)
+        return out
+
+
+def _chunk_set(plan: LocalPlan, run_ids, device) -> _ChunkSet:
+    cache = plan._tables.setdefault("torch_chunk_sets", {})
+    key = (tuple(run_ids), str(device))
+    if key not in cache:
+        cache[key] = _ChunkSet(plan, tuple(run_ids), device)
+    return cache[key]
+
+
+class TorchBackend:
+    name = "torch"
+
+    def _inputs(self, cs: _ChunkSet, q, k, v, g, beta):
+        dt = compute_dtype(q, k, v, g, beta)
+        qc, kc, vc, gc = (cs.gather(x, dt) for x in (q, k, v, g))
+        bc = cs.gather(beta.unsqueeze(-1), dt).squeeze(-1)
+        return dt, qc, kc, vc, gc, bc
+
+    def fwd_summaries(self, q, k, v, g, beta, scale, plan: LocalPlan, run_ids):
+        cs = _chunk_set(plan, run_ids, q.device)
+        _, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
+        prep = chunk_prep(qc, kc, vc, gc, bc, scale)
+        _, E, M = state_walk(prep, cs.steps, None, summary=True)
+        return M, E
+
+    def fwd_output(self, q, k, v, g, beta, scale, plan: LocalPlan, state_in=None):
+        cs = _chunk_set(plan, range(plan.num_runs), q.device)
+        _, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
+        prep = chunk_prep(qc, kc, vc, gc, bc, scale)
+        h, _, _ = state_walk(prep, cs.steps, state_in)
+        o = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        return cs.scatter(fwd_o(prep, h, scale), o)
+
+    def bwd_summaries(self, q, k, v, g, beta, do, scale, plan: LocalPlan, run_ids):
+        cs = _chunk_set(plan, run_ids, q.device)
+        dt, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
+        prep = chunk_prep(qc, kc, vc, gc, bc, scale)
+        _, F, Mt = reverse_walk(prep, cs.gather(do, dt), cs.steps, scale, None, summary=True)
+        return Mt, F
+
+    def bwd_grads(self, q, k, v, g, beta, do, scale, plan: LocalPlan, state_in=None, dstate_out=None):
+        cs = _chunk_set(plan, range(plan.num_runs), q.device)
+        dt, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
+        doc = cs.gather(do, dt)
+        prep: Prep = chunk_prep(qc, kc, vc, gc, bc, scale)
+        h, _, _ = state_walk(prep, cs.steps, state_in)
+        dh, _, _ = reverse_walk(prep, doc, cs.steps, scale, dstate_out)
+        del prep
+        grads = chunk_grads(qc, kc, vc, gc, bc, doc, h, dh, scale)
+        outs = []
+        for grad, x in zip(grads[:4], (q, k, v, g)):
+            outs.append(cs.scatter(grad, torch.zeros_like(x)))
+        outs.append(cs.scatter(grads[4].unsqueeze(-1), torch.zeros_like(beta).unsqueeze(-1)).squeeze(-1))
+        return tuple(outs)

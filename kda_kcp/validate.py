@@ -1,0 +1,128 @@
+"""Input checks, run before any kernel: every bad input gets a clear exception naming the argument."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .exchange import collective_device
+
+__all__ = ["check_inputs", "check_grad_output", "check_scale", "check_flag", "values_requested", "check_values"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    return float(scale)
+
+
+def values_requested(validate) -> bool:
+    if validate is None:
+        return os.environ.get("KDA_KCP_VALIDATE", "0").strip() not in ("", "0", "false", "False")
+    return check_flag("validate", validate)
+
+
+def _tensor(name: str, x, dims: int, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must be {what}, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_inputs(q, k, v, g, beta, ctx, backend_name: str) -> None:
+    """Types, shapes, dtypes, devices and contiguity of one call's inputs against its context."""
+    from .context import KcpContext
+
+    if not isinstance(ctx, KcpContext):
+        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
+    _tensor("q", q, 3, "of shape [T, H, K]")
+    T, H, K = q.shape
+    _tensor("k", k, 3, f"of shape [T, H, K] = {[T, H, K]}")
+    _tensor("v", v, 3, f"of shape [T, H, V] with T = {T}, H = {H}")
+    _tensor("g", g, 3, f"of shape [T, H, K] = {[T, H, K]}")
+    _tensor("beta", beta, 2, f"of shape [T, H] = {[T, H]}")
+    if tuple(k.shape) != (T, H, K):
+        raise ValueError(f"k must have the shape of q, {[T, H, K]}, got {list(k.shape)}")
+    if tuple(g.shape) != (T, H, K):
+        raise ValueError(f"g must have the shape of q, {[T, H, K]}, got {list(g.shape)}")
+    if v.shape[0] != T or v.shape[1] != H:
+        raise ValueError(f"v must be [T, H, V] with T = {T}, H = {H}, got {list(v.shape)}")
+    if tuple(beta.shape) != (T, H):
+        raise ValueError(f"beta must be [T, H] = {[T, H]}, got {list(beta.shape)}")
+    if T != ctx.local_tokens:
+        raise ValueError(
+            f"q has T = {T} tokens but the context gives rank {ctx.rank} {ctx.local_tokens} local tokens "
+            f"(of {ctx.num_tokens} global); pass ctx.shard(x) of the global tensors"
+        )
+    if H < 1 or K < 1 or v.shape[2] < 1:
+        raise ValueError(f"H, K and V must be positive, got q {list(q.shape)}, v {list(v.shape)}")
+    device = q.device
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}; all inputs must share one device")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {x.stride()}")
+    if ctx.world_size > 1 and collective_device(ctx.group).type != device.type:
+        raise ValueError(
+            f"the context's group communicates on {collective_device(ctx.group).type} but the inputs are on "
+            f"{device}; use NCCL with CUDA tensors and gloo with CPU tensors"
+        )
+    if backend_name == "cuda":
+        want = {"q": torch.bfloat16, "k": torch.bfloat16, "v": torch.bfloat16, "g": torch.float32, "beta": torch.bfloat16}
+        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            if x.dtype != want[name]:
+                raise TypeError(f"{name} must be {want[name]} on the CUDA backend, got {x.dtype}")
+        if K != 128 or v.shape[2] != 128:
+            raise ValueError(
+                f"the CUDA backend supports head dim 128 only, got K = {K}, V = {v.shape[2]} "
+                "(KDA_KCP_BACKEND=torch runs any size)"
+            )
+        return
+    if q.dtype not in _FLOATS:
+        raise TypeError(f"q must be a floating tensor (bfloat16, float16, float32, float64), got {q.dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if g.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"g must be float32 (or float64 on the torch backend), got {g.dtype}")
+    if beta.dtype not in _FLOATS:
+        raise TypeError(f"beta must be a floating tensor, got {beta.dtype}")
+
+
+def check_values(g, beta, *others) -> None:
+    """Value checks (validate=True or KDA_KCP_VALIDATE=1): gate in [-5, 0], beta in [0, 1], all finite."""
+    for name, x in zip(("g", "beta", "q", "k", "v"), (g, beta) + others):
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} holds non-finite values (NaN or Inf)")
+    if g.numel() and (float(g.min()) < -5.0 or float(g.max()) > 0.0):
+        raise ValueError(f"g must lie in [-5, 0] (log decay, already activated), got range [{float(g.min())}, {float(g.max())}]")
+    if beta.numel() and (float(beta.min()) < 0.0 or float(beta.max()) > 1.0):
+        raise ValueError(f"beta must lie in [0, 1] (already activated), got range [{float(beta.min())}, {float(beta.max())}]")
+
+
+def check_grad_output(do, q, v) -> None:
+    if not isinstance(do, torch.Tensor):
+        raise TypeError(f"do must be a torch.Tensor, got {type(do).__name__}")
+    want = (q.shape[0], q.shape[1], v.shape[2])
+    if tuple(do.shape) != want:
+        raise ValueError(f"do must have the output's shape {list(want)}, got {list(do.shape)}")
+    if do.device != q.device:
+        raise ValueError(f"do is on {do.device} but the forward ran on {q.device}")
+    if not do.dtype.is_floating_point:
+        raise TypeError(f"do must be a floating tensor, got {do.dtype}")

@@ -1,0 +1,121 @@
+"""Serial stages of the torch backend: the state walks over the chunks of each run, and the affine merges.
+
+A walk advances all runs together, one chunk per step (a run drops out once its chunks are done), so
+the serial depth is the longest run's chunk count. ``Steps`` holds, per step, which chunk each active
+run is on.
+
+Forward, per chunk:  S_next = Diag(gamma) S + Kg^T (U - W S) = M_c S + E_c.
+Backward, per chunk: dS = s Qg^T dO + Diag(gamma) dS_next - W^T (Aqk^T dO + Kg dS_next) = M_c^T dS_next + F_c.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .chunk import Prep
+
+__all__ = ["Steps", "state_walk", "reverse_walk", "affine_merge"]
+
+
+@dataclass
+class Steps:
+    """Chunk schedule of a set of runs: ``chunks[j]`` / ``runs[j]`` are the chunk ids and run slots
+    active at step j (long tensors on the device)."""
+
+    num_runs: int
+    chunks: list[torch.Tensor]
+    runs: list[torch.Tensor]
+
+    @classmethod
+    def from_counts(cls, counts: list[int], device) -> "Steps":
+        ptr = [0]
+        for n in counts:
+            ptr.append(ptr[-1] + n)
+        chunks, runs = [], []
+        for j in range(max(counts, default=0)):
+            active = [r for r, n in enumerate(counts) if n > j]
+            runs.append(torch.tensor(active, dtype=torch.long, device=device))
+            chunks.append(torch.tensor([ptr[r] + j for r in active], dtype=torch.long, device=device))
+        return cls(len(counts), chunks, runs)
+
+
+def _zeros_state(prep: Prep, n: int) -> torch.Tensor:
+    H, K, V = prep.W.shape[1], prep.W.shape[-1], prep.U.shape[-1]
+    return prep.W.new_zeros(n, H, K, V)
+
+
+def state_walk(prep: Prep, steps: Steps, state_in: torch.Tensor | None = None, summary: bool = False):
+    """Walk every run forward from ``state_in`` ([R, H, K, V], None = zeros).
+
+    Returns (h, state_out, M): h [N, H, K, V] the state entering each chunk, state_out the state leaving
+    each run, and (when ``summary``) M [R, H, K, K] the product of the run's chunk maps, so that
+    state_out = M state_in + E with E the state_out of a zero start.
+    """
+    R = steps.num_runs
+    S = _zeros_state(prep, R) if state_in is None else state_in.to(prep.W.dtype).clone()
+    h = torch.empty(prep.W.shape[0], *S.shape[1:], dtype=S.dtype, device=S.device)
+    M = None
+    if summary:
+        K = prep.W.shape[-1]
+        M = torch.eye(K, dtype=S.dtype, device=S.device).expand(R, S.shape[1], K, K).clone()
+    for c, r in zip(steps.chunks, steps.runs):
+        p = prep.take(c)
+        s = S.index_select(0, r)
+        h.index_copy_(0, c, s)
+        s_next = p.gamma.unsqueeze(-1) * s + p.Kg.transpose(-1, -2) @ (p.U - p.W @ s)
+        S.index_copy_(0, r, s_next)
+        if summary:
+            M.index_copy_(0, r, p.chunk_map() @ M.index_select(0, r))
+    return h, S, M
+
+
+def reverse_walk(
+    prep: Prep, do: torch.Tensor, steps: Steps, scale: float, dstate_out: torch.Tensor | None = None, summary: bool = False
+):
+    """Walk every run backward from ``dstate_out`` (gradient of the state leaving each run, None = zeros).
+
+    Returns (dh, dstate_in, Mt): dh [N, H, K, V] the gradient of the state leaving each chunk,
+    dstate_in [R, H, K, V], and (when ``summary``) Mt = M^T of each run, so that
+    dstate_in = Mt dstate_out + F with F the dstate_in of a zero start.
+    """
+    R = steps.num_runs
+    dS = _zeros_state(prep, R) if dstate_out is None else dstate_out.to(prep.W.dtype).clone()
+    dh = torch.empty(prep.W.shape[0], *dS.shape[1:], dtype=dS.dtype, device=dS.device)
+    Mt = None
+    if summary:
+        K = prep.W.shape[-1]
+        Mt = torch.eye(K, dtype=dS.dtype, device=dS.device).expand(R, dS.shape[1], K, K).clone()
+    for c, r in zip(reversed(steps.chunks), reversed(steps.runs)):
+        # reversed steps visit each run's chunks last-first; runs shorter than the step count join late,
+        # at their own last chunk, which is exactly where their walk starts.
+        p = prep.take(c)
+        ds = dS.index_select(0, r)
+        dh.index_copy_(0, c, ds)
+        doc = do.index_select(0, c)
+        dvn = p.Aqk.transpose(-1, -2) @ doc + p.Kg @ ds
+        ds_prev = scale * (p.Qg.transpose(-1, -2) @ doc) + p.gamma.unsqueeze(-1) * ds - p.W.transpose(-1, -2) @ dvn
+        dS.index_copy_(0, r, ds_prev)
+        if summary:
+            Mt.index_copy_(0, r, p.chunk_map().transpose(-1, -2) @ Mt.index_select(0, r))
+    return dh, dS, Mt
+
+
+def affine_merge(maps: torch.Tensor, offsets: torch.Tensor, sources, out: torch.Tensor) -> torch.Tensor:
+    """Fold published summaries into incoming states, in a fixed order.
+
+    maps [W, slots, H, K, K] and offsets [W, slots, H, K, V] are the gathered summaries;
+    ``sources[r]`` lists (rank, slot) to fold for local run r, oldest first:
+    acc = 0; for each source: acc = maps @ acc + offsets. Writes out[r] (runs with no source keep zeros).
+    The backward uses the same fold with (M^T, F) and sources listed from the document end.
+    """
+    out.zero_()
+    for r, src in enumerate(sources):
+        if not src:
+            continue
+        acc = None
+        for w, s in src:
+            acc = offsets[w, s].clone() if acc is None else maps[w, s] @ acc + offsets[w, s]
+        out[r] = acc
+    return out

@@ -1,0 +1,130 @@
+"""Byte queries and the reusable workspace.
+
+What a call needs beyond its inputs and outputs:
+- workspace: the exchange scratch (send rows, then every rank's rows; the larger of the forward and the
+  backward exchange) plus, on the CUDA backend, the backend's own arena. Dead after the call, so one
+  ``WorkspaceKcp`` serves several calls in turn.
+- saved: the incoming state of every local run ([R, H, K, V] FP32), kept from the forward for the
+  backward when the batch is split across pieces (nothing at W = 1). The inputs themselves are saved
+  by reference and not counted.
+- comm: per forward + backward step, the bytes this rank sends plus the bytes it receives in the two
+  all-gathers: 2 (W - 1) x its buffer each way (what a ring all-gather moves per rank).
+
+``head_dim`` and ``dtype`` describe the torch backend's other shapes and precisions (FP64 tests); the
+library's kernels use head dim 128 and FP32 summaries, the defaults.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .exchange import summary_elements
+
+__all__ = [
+    "ARENAS",
+    "check_arena",
+    "exchange_elements",
+    "kda_workspace_bytes_kcp",
+    "kda_saved_bytes_kcp",
+    "kda_comm_bytes_kcp",
+    "WorkspaceKcp",
+]
+
+ARENAS = ("replay", "lean")
+
+
+def check_arena(local_arena, lean_passes) -> int | None:
+    if local_arena not in ARENAS:
+        raise ValueError(f"local_arena must be one of {ARENAS}, got {local_arena!r}")
+    if lean_passes is None:
+        return 2 if local_arena == "lean" else None
+    if local_arena != "lean":
+        raise ValueError(f"lean_passes applies to local_arena='lean' only, got lean_passes={lean_passes!r} with {local_arena!r}")
+    if isinstance(lean_passes, bool) or not isinstance(lean_passes, int) or not 1 <= lean_passes <= 8:
+        raise ValueError(f"lean_passes must be an int in 1..8 (or None for 2), got {lean_passes!r}")
+    return lean_passes
+
+
+def _heads(num_heads) -> int:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    return num_heads
+
+
+def _elt(dtype) -> int:
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def exchange_elements(ctx, num_heads: int, head_dim: int) -> int:
+    """Elements of the exchange scratch: (1 + W) rows-of-slots for the larger of the two exchanges."""
+    slots = max(ctx.plan.fwd_slots, ctx.plan.bwd_slots)
+    return (1 + ctx.world_size) * slots * summary_elements(num_heads, head_dim, head_dim)
+
+
+def kda_workspace_bytes_kcp(
+    ctx, num_heads, deterministic=True, local_arena="replay", lean_passes=None, *, head_dim=128, dtype=torch.float32
+) -> int:
+    """Bytes of workspace one call (forward or backward) of this context needs."""
+    check_arena(local_arena, lean_passes)
+    return exchange_elements(ctx, _heads(num_heads), head_dim) * _elt(dtype)
+
+
+def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, dtype=torch.float32) -> int:
+    """Bytes the forward keeps for the backward beyond references to the inputs."""
+    if not ctx.plan.needs_exchange:
+        return 0
+    return ctx.local.num_runs * _heads(num_heads) * head_dim * head_dim * _elt(dtype)
+
+
+def kda_comm_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, dtype=torch.float32) -> int:
+    """Bytes this rank sends plus receives in one forward + backward step."""
+    W = ctx.world_size
+    if W == 1 or not ctx.plan.needs_exchange:
+        return 0
+    per = summary_elements(_heads(num_heads), head_dim, head_dim) * _elt(dtype)
+    return 2 * (W - 1) * per * (ctx.plan.fwd_slots + ctx.plan.bwd_slots)
+
+
+class WorkspaceKcp:
+    """A byte buffer sized by ``kda_workspace_bytes_kcp``; pass it as ``workspace=`` to reuse it.
+
+    It holds scratch only (nothing a later backward needs), so consecutive calls, forward or backward,
+    of any context whose need fits may share it.
+    """
+
+    def __init__(
+        self, ctx, num_heads, device=None, deterministic=True, local_arena="replay", lean_passes=None,
+        *, head_dim=128, dtype=torch.float32,
+    ):
+        self.nbytes = kda_workspace_bytes_kcp(
+            ctx, num_heads, deterministic, local_arena, lean_passes, head_dim=head_dim, dtype=dtype
+        )
+        self.deterministic = deterministic
+        self.device = torch.device(device) if device is not None else ctx.token_index.device
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+    @classmethod
+    def from_buffer(cls, buffer: torch.Tensor, deterministic=True) -> "WorkspaceKcp":
+        """Wrap caller-owned bytes (a 1-D uint8 tensor) as a workspace."""
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise TypeError("workspace buffer must be a 1-D torch.uint8 tensor")
+        ws = cls.__new__(cls)
+        ws.nbytes, ws.deterministic, ws.device, ws.buffer = buffer.numel(), deterministic, buffer.device, buffer
+        return ws
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+        """The first ``numel`` elements of the buffer as ``dtype``; raises if the buffer is too small."""
+        need = numel * torch.empty((), dtype=dtype).element_size()
+        if need > self.nbytes:
+            raise ValueError(
+                f"workspace too small for {what}: needs {need} bytes, has {self.nbytes}; size it with "
+                "kda_workspace_bytes_kcp(ctx, num_heads, ...) for this context"
+            )
+        if self.buffer.device != device:
+            raise ValueError(f"workspace is on {self.buffer.device} but the inputs are on {device}")
+        return self.buffer[:need].view(dtype)
+
+    def __repr__(self) -> str:
+        return f"WorkspaceKcp(nbytes={self.nbytes}, device={self.device})"
