@@ -9,8 +9,9 @@ nothing). Notation of DESIGN.md section 1, per chunk and head:
     Aqk_ij = s sum_d q_id k_jd Dec_ijd (i >= j),   Qg = Q o exp G,   Kg = K o exp(G_last - G)
     V_new = U - W S,   O = s Qg S + Aqk V_new,   S_next = Diag(gamma) S + Kg^T V_new
 
-Every exp(G_i - G_j) is formed as one pairwise difference (never exp(-G) alone, which overflows over a
-chunk of strong gates). The pairwise tensor is C x C x K per chunk-head, so the stages run in slabs.
+Every exp(G_i - G_j) is factored around an anchor row in the past of row i (``Pairwise``), never
+exp(-G) alone, which overflows over a chunk of strong gates. The stages run in slabs of chunks to
+bound the memory of the factored tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 __all__ = ["Prep", "chunk_prep", "fwd_o", "chunk_grads", "SLAB_ELEMENTS"]
 
 # pairwise-decay elements materialised at once (per slab): bounds the torch backend's peak memory
-SLAB_ELEMENTS = 1 << 24
+SLAB_ELEMENTS = 1 << 25
 
 
 @dataclass
@@ -50,10 +51,46 @@ def _masks(C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return incl, strict
 
 
-def _pairwise_decay(G: torch.Tensor, incl: torch.Tensor) -> torch.Tensor:
-    """Dec[..., i, j, d] = exp(G_id - G_jd) for i >= j, else 0 (the exponent is masked before exp)."""
-    diff = G.unsqueeze(-2) - G.unsqueeze(-3)
-    return torch.where(incl.unsqueeze(-1), diff, torch.full_like(diff, float("-inf"))).exp()
+class Pairwise:
+    """Products weighted by exp(G_i - G_j), i >= j, as plain matrix products.
+
+    Rows are grouped in blocks of ``BLOCK``; block I is anchored at its first row a_I, which lies in the
+    past of (or at) every row of the block: exp(G_i - G_j) = exp(G_i - G_a) * exp(G_a - G_j). The row
+    factor is <= 1; the column factor is <= 1 for earlier blocks and at most exp(5 * 15) inside the
+    block (g >= -5), so nothing overflows in FP32. Columns past block I get factor 0 (masked before exp).
+    """
+
+    BLOCK = 16
+
+    def __init__(self, G: torch.Tensor):
+        C, K = G.shape[-2], G.shape[-1]
+        nb = -(-C // self.BLOCK)
+        rows = torch.arange(C, device=G.device)
+        anchor_row = (rows // self.BLOCK) * self.BLOCK
+        self.nb, self.C = nb, C
+        self.row = (G - G[..., anchor_row, :]).exp()  # [.., C, K]
+        Ga = G[..., anchor_row[:: self.BLOCK], :].unsqueeze(-2)  # [.., nb, 1, K]
+        expo = Ga - G.unsqueeze(-3)  # [.., nb, C, K]
+        visible = rows.unsqueeze(0) < (torch.arange(nb, device=G.device).unsqueeze(1) + 1) * self.BLOCK  # [nb, C]
+        self.col = torch.where(visible.unsqueeze(-1), expo, torch.full_like(expo, float("-inf"))).exp()
+
+    def _blocks(self, x):  # [.., C, *] -> [.., nb, BLOCK, *]
+        return x.reshape(*x.shape[:-2], self.nb, self.BLOCK, x.shape[-1])
+
+    def gram(self, a, b):
+        """X_ij = sum_d a_id b_jd exp(G_id - G_jd) for j in or before i's block ([.., C, C]; mask it)."""
+        X = self._blocks(a * self.row) @ (b.unsqueeze(-3) * self.col).transpose(-1, -2)  # [.., nb, B, C]
+        return X.reshape(*X.shape[:-3], self.C, self.C)
+
+    def rows(self, X, y):
+        """Y_id = sum_j X_ij y_jd exp(G_id - G_jd) (X masked to i >= j)."""
+        Y = self._blocks(X) @ (y.unsqueeze(-3) * self.col)  # [.., nb, B, K]
+        return Y.reshape(*Y.shape[:-3], self.C, Y.shape[-1]) * self.row
+
+    def cols(self, X, y):
+        """Z_jd = sum_i X_ij y_id exp(G_id - G_jd) (X masked to i >= j)."""
+        Z = self._blocks(X).transpose(-1, -2) @ self._blocks(y * self.row)  # [.., nb, C, K]
+        return (Z * self.col).sum(-3)
 
 
 def _slabs(n: int, per_item: int):
@@ -69,17 +106,17 @@ def _inverse_unit_lower(L: torch.Tensor) -> torch.Tensor:
 
 def _prep_slab(q, k, v, g, beta, scale, incl, strict):
     G = g.cumsum(-2)
-    Dec = _pairwise_decay(G, incl)
-    P = torch.einsum("...id,...jd,...ijd->...ij", k, k, Dec)
+    pw = Pairwise(G)
+    P = pw.gram(k, k)
     b = beta.unsqueeze(-1)
     A = _inverse_unit_lower(b * P * strict)
     eG = G.exp()
     Kexp = k * eG
     W = A @ (b * Kexp)
     U = A @ (b * v)
-    Aqk = scale * torch.einsum("...id,...jd,...ijd->...ij", q, k, Dec)
+    Aqk = scale * pw.gram(q, k) * incl
     Glast = G[..., -1:, :]
-    return G, Dec, P, A, Kexp, W, U, Aqk, q * eG, k * (Glast - G).exp(), Glast.squeeze(-2).exp()
+    return G, pw, P, A, Kexp, W, U, Aqk, q * eG, k * (Glast - G).exp(), Glast.squeeze(-2).exp()
 
 
 def chunk_prep(q, k, v, g, beta, scale: float) -> Prep:
@@ -90,7 +127,7 @@ def chunk_prep(q, k, v, g, beta, scale: float) -> Prep:
         return Prep(z, v.new_zeros(0, H, C, v.shape[-1]), k.new_zeros(0, H, C, C), z, z, k.new_zeros(0, H, K))
     incl, strict = _masks(C, k.device)
     parts = []
-    for s, e in _slabs(N, H * C * C * K):
+    for s, e in _slabs(N, H * 4 * C * K):
         out = _prep_slab(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], scale, incl, strict)
         parts.append((out[5], out[6], out[7], out[8], out[9], out[10]))
     return Prep(*(torch.cat(list(t), 0) for t in zip(*parts)))
@@ -113,7 +150,7 @@ def chunk_grads(q, k, v, g, beta, do, h, dh, scale: float):
     if N == 0:
         return q.clone(), k.clone(), v.clone(), g.clone(), beta.clone()
     incl, strict = _masks(C, k.device)
-    for s, e in _slabs(N, H * C * C * K):
+    for s, e in _slabs(N, H * 4 * C * K):
         res = _grads_slab(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], do[s:e], h[s:e], dh[s:e], scale, incl, strict)
         for lst, t in zip(outs, res):
             lst.append(t)
@@ -121,7 +158,7 @@ def chunk_grads(q, k, v, g, beta, do, h, dh, scale: float):
 
 
 def _grads_slab(q, k, v, g, beta, do, S, dSn, scale, incl, strict):
-    G, Dec, P, A, Kexp, W, U, Aqk, Qg, Kg, gamma = _prep_slab(q, k, v, g, beta, scale, incl, strict)
+    G, pw, P, A, Kexp, W, U, Aqk, Qg, Kg, gamma = _prep_slab(q, k, v, g, beta, scale, incl, strict)
     b = beta.unsqueeze(-1)
     T_ = lambda x: x.transpose(-1, -2)  # noqa: E731
     Vn = U - W @ S
@@ -141,12 +178,11 @@ def _grads_slab(q, k, v, g, beta, do, S, dSn, scale, incl, strict):
     dP = b * dL
     dbeta = (dL * P).sum(-1) + (dKb * Kexp).sum(-1) + (dVb * v).sum(-1)
     dv = b * dVb
-    # pairwise terms: X_ij weights pair (i, j) with factor Dec_ijd
-    #   row side  (index i): sum_j X_ij y_jd Dec_ijd ;  column side (index j): sum_i X_ij y_id Dec_ijd
+    # pairwise terms, weighted by exp(G_i - G_j): the row side (index i) and the column side (index j)
     sdA = scale * dAqk
-    row_k = torch.einsum("...ij,...jd,...ijd->...id", dP, k, Dec)  # d/dKexp . exp(G)
-    row_q = torch.einsum("...ij,...jd,...ijd->...id", sdA, k, Dec)  # d/dQg from Aqk, . exp(G)
-    col = torch.einsum("...ij,...id,...ijd->...jd", dP, k, Dec) + torch.einsum("...ij,...id,...ijd->...jd", sdA, q, Dec)
+    row_k = pw.rows(dP, k)  # d/dKexp . exp(G)
+    row_q = pw.rows(sdA, k)  # d/dQg from Aqk, . exp(G)
+    col = pw.cols(dP, k) + pw.cols(sdA, q)
     eG = G.exp()
     dq = dQg * eG + row_q
     decay_last = (G[..., -1:, :] - G).exp()

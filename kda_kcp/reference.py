@@ -26,6 +26,8 @@ def naive_kda(q, k, v, g, beta, cu_seqlens, scale=None, dtype=torch.float64):
 
     q, k: [T, H, K]; v: [T, H, V]; g: [T, H, K] (log decay); beta: [T, H]; cu_seqlens: N + 1 offsets.
     Returns o [T, H, V] in ``dtype`` (FP64 by default: the oracle). Differentiable.
+    Documents advance side by side (step t moves token t of every document long enough), each with its
+    own state; that changes nothing in the arithmetic of any one document.
     """
     cu = _offsets(cu_seqlens)
     T, H, K = q.shape
@@ -33,16 +35,22 @@ def naive_kda(q, k, v, g, beta, cu_seqlens, scale=None, dtype=torch.float64):
     if scale is None:
         scale = K ** -0.5
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    outs = []
-    for start, end in zip(cu[:-1], cu[1:]):
-        state = q.new_zeros(H, K, V)
-        for t in range(start, end):
-            kt = k[t]  # [H, K]
-            state = state * torch.exp(g[t]).unsqueeze(-1)
-            # (I - beta k k^T) S + beta k v^T  ==  S + beta k (v - k^T S)^T
-            pred = torch.einsum("hk,hkv->hv", kt, state)
-            state = state + (beta[t].unsqueeze(-1) * kt).unsqueeze(-1) * (v[t] - pred).unsqueeze(1)
-            outs.append(scale * torch.einsum("hk,hkv->hv", q[t], state))
-    if not outs:
-        return q.new_zeros(0, H, V)
-    return torch.stack(outs, 0)
+    docs = sorted(((e - s, s) for s, e in zip(cu[:-1], cu[1:]) if e > s), reverse=True)
+    if not docs:
+        return q.new_zeros(T, H, V)
+    starts = torch.tensor([s for _, s in docs], device=q.device)
+    state = q.new_zeros(len(docs), H, K, V)
+    outs, where = [], []
+    for t in range(docs[0][0]):
+        n = sum(1 for length, _ in docs if length > t)  # documents still running: a prefix (sorted)
+        tok = starts[:n] + t
+        s_old = state[:n] * torch.exp(g[tok]).unsqueeze(-1)  # finished documents drop off the end
+        kt = k[tok]  # [n, H, K]
+        # (I - beta k k^T) S + beta k v^T  ==  S + beta k (v - k^T S)^T
+        pred = torch.einsum("nhk,nhkv->nhv", kt, s_old)
+        s_new = s_old + (beta[tok].unsqueeze(-1) * kt).unsqueeze(-1) * (v[tok] - pred).unsqueeze(-2)
+        outs.append(scale * torch.einsum("nhk,nhkv->nhv", q[tok], s_new))
+        where.append(tok)
+        state = s_new
+    o = q.new_zeros(T, H, V)
+    return o.index_put((torch.cat(where),), torch.cat(outs, 0))

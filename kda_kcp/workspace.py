@@ -10,8 +10,8 @@ What a call needs beyond its inputs and outputs:
 - comm: per forward + backward step, the bytes this rank sends plus the bytes it receives in the two
   all-gathers: 2 (W - 1) x its buffer each way (what a ring all-gather moves per rank).
 
-``head_dim`` and ``dtype`` describe the torch backend's other shapes and precisions (FP64 tests); the
-library's kernels use head dim 128 and FP32 summaries, the defaults.
+``head_dim``, ``value_dim`` (default: head_dim) and ``dtype`` describe the torch backend's other shapes and
+precisions (FP64 tests); the library's kernels use head dims 128 and FP32 summaries, the defaults.
 """
 
 from __future__ import annotations
@@ -57,33 +57,33 @@ def _elt(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def exchange_elements(ctx, num_heads: int, head_dim: int) -> int:
+def exchange_elements(ctx, num_heads: int, head_dim: int, value_dim: int | None = None) -> int:
     """Elements of the exchange scratch: (1 + W) rows-of-slots for the larger of the two exchanges."""
     slots = max(ctx.plan.fwd_slots, ctx.plan.bwd_slots)
-    return (1 + ctx.world_size) * slots * summary_elements(num_heads, head_dim, head_dim)
+    return (1 + ctx.world_size) * slots * summary_elements(num_heads, head_dim, value_dim or head_dim)
 
 
 def kda_workspace_bytes_kcp(
-    ctx, num_heads, deterministic=True, local_arena="replay", lean_passes=None, *, head_dim=128, dtype=torch.float32
+    ctx, num_heads, deterministic=True, local_arena="replay", lean_passes=None, *, head_dim=128, value_dim=None,
+    dtype=torch.float32,
 ) -> int:
     """Bytes of workspace one call (forward or backward) of this context needs."""
     check_arena(local_arena, lean_passes)
-    return exchange_elements(ctx, _heads(num_heads), head_dim) * _elt(dtype)
+    return exchange_elements(ctx, _heads(num_heads), head_dim, value_dim) * _elt(dtype)
 
 
-def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, dtype=torch.float32) -> int:
+def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
     """Bytes the forward keeps for the backward beyond references to the inputs."""
-    if not ctx.plan.needs_exchange:
-        return 0
-    return ctx.local.num_runs * _heads(num_heads) * head_dim * head_dim * _elt(dtype)
+    per_run = _heads(num_heads) * head_dim * (value_dim or head_dim) * _elt(dtype)
+    return ctx.local.num_runs * per_run if ctx.plan.needs_exchange else 0
 
 
-def kda_comm_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, dtype=torch.float32) -> int:
+def kda_comm_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
     """Bytes this rank sends plus receives in one forward + backward step."""
     W = ctx.world_size
+    per = summary_elements(_heads(num_heads), head_dim, value_dim or head_dim) * _elt(dtype)
     if W == 1 or not ctx.plan.needs_exchange:
         return 0
-    per = summary_elements(_heads(num_heads), head_dim, head_dim) * _elt(dtype)
     return 2 * (W - 1) * per * (ctx.plan.fwd_slots + ctx.plan.bwd_slots)
 
 
@@ -96,10 +96,10 @@ class WorkspaceKcp:
 
     def __init__(
         self, ctx, num_heads, device=None, deterministic=True, local_arena="replay", lean_passes=None,
-        *, head_dim=128, dtype=torch.float32,
+        *, head_dim=128, value_dim=None, dtype=torch.float32,
     ):
         self.nbytes = kda_workspace_bytes_kcp(
-            ctx, num_heads, deterministic, local_arena, lean_passes, head_dim=head_dim, dtype=dtype
+            ctx, num_heads, deterministic, local_arena, lean_passes, head_dim=head_dim, value_dim=value_dim, dtype=dtype
         )
         self.deterministic = deterministic
         self.device = torch.device(device) if device is not None else ctx.token_index.device

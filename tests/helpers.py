@@ -1,0 +1,89 @@
+"""Shared test helpers: random packed batches, error measures, and spawning gloo process groups."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import kda_kcp
+from kda_kcp.reference import naive_kda
+
+
+def offsets(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def make_inputs(cu, H=2, K=16, V=8, dtype=torch.float64, seed=0, gate_low=-5.0, device="cpu"):
+    """Random inputs as a model hands them over (never zeros): q, k L2-normalised, g in (gate_low, 0),
+    beta in (0, 1); plus a random output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    T = cu[-1]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = torch.nn.functional.normalize(rnd(T, H, K), dim=-1)
+    k = torch.nn.functional.normalize(rnd(T, H, K), dim=-1)
+    v = rnd(T, H, V)
+    g = gate_low * torch.rand(T, H, K, generator=gen, dtype=torch.float64)
+    beta = torch.rand(T, H, generator=gen, dtype=torch.float64)
+    do = rnd(T, H, V)
+    cast = lambda x, dt: x.to(device=device, dtype=dt).contiguous()  # noqa: E731
+    gdt = torch.float64 if dtype == torch.float64 else torch.float32
+    return [cast(q, dtype), cast(k, dtype), cast(v, dtype), cast(g, gdt), cast(beta, dtype)], cast(do, dtype)
+
+
+def rel_rms(x, ref) -> float:
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    den = ref.norm()
+    if den == 0:
+        return float((x - ref).norm())
+    return float((x - ref).norm() / den)
+
+
+def oracle(cu, inputs, do):
+    """FP64 o and the five gradients of <o, do>."""
+    leaves = [x.detach().double().requires_grad_() for x in inputs]
+    o = naive_kda(*leaves, cu)
+    o.backward(do.double())
+    return [o.detach()] + [x.grad for x in leaves]
+
+
+def step(inputs, do, ctx, **kw):
+    """o and the five gradients of <o, do> through chunk_kda_kcp (autograd)."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    o = kda_kcp.chunk_kda_kcp(*leaves, ctx, **kw)
+    o.backward(do)
+    return [o.detach()] + [x.grad for x in leaves]
+
+
+def gather_global(ctx, local):
+    """Global [T, ...] tensor from every rank's local rows (all ranks get it)."""
+    full = ctx.unshard(local)
+    if ctx.world_size > 1:
+        dist.all_reduce(full)
+    return full
+
+
+def _entry(rank, world, init_file, fn, args):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world, *args):
+    """Run fn(rank, world, *args) on ``world`` spawned processes joined by a gloo group.
+
+    An exception (a failed assertion) in any rank fails the caller."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world, join=True)

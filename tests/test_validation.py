@@ -1,0 +1,149 @@
+"""Every bad input gets its own clear exception, naming the argument and what was expected."""
+
+import pytest
+import torch
+
+import kda_kcp
+from kda_kcp.validate import check_inputs
+from helpers import make_inputs, offsets
+
+CU = offsets([40, 30])
+
+
+@pytest.fixture
+def args():
+    inputs, do = make_inputs(CU, H=2, K=16, V=8, dtype=torch.float32)
+    return inputs, do, kda_kcp.build_context_kcp(CU)
+
+
+def _call(inputs, ctx, **kw):
+    return kda_kcp.chunk_kda_kcp(*inputs, ctx, **kw)
+
+
+def _with(inputs, i, x):
+    out = list(inputs)
+    out[i] = x
+    return out
+
+
+def test_not_a_tensor(args):
+    inputs, _, ctx = args
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        _call(_with(inputs, 0, inputs[0].tolist()), ctx)
+
+
+def test_q_wrong_rank(args):
+    inputs, _, ctx = args
+    with pytest.raises(ValueError, match=r"q must be of shape \[T, H, K\]"):
+        _call(_with(inputs, 0, inputs[0].flatten(1)), ctx)
+
+
+def test_k_shape_differs_from_q(args):
+    inputs, _, ctx = args
+    with pytest.raises(ValueError, match="k must have the shape of q"):
+        _call(_with(inputs, 1, inputs[1][:, :1].contiguous()), ctx)
+
+
+def test_v_wrong_heads(args):
+    inputs, _, ctx = args
+    with pytest.raises(ValueError, match=r"v must be \[T, H, V\]"):
+        _call(_with(inputs, 2, inputs[2][:, :1].contiguous()), ctx)
+
+
+def test_g_shape(args):
+    inputs, _, ctx = args
+    with pytest.raises(ValueError, match="g must have the shape of q"):
+        _call(_with(inputs, 3, inputs[3][:, :, :4].contiguous()), ctx)
+
+
+def test_beta_shape(args):
+    inputs, _, ctx = args
+    with pytest.raises(ValueError, match=r"beta must be of shape \[T, H\]"):
+        _call(_with(inputs, 4, inputs[4].unsqueeze(-1)), ctx)
+    with pytest.raises(ValueError, match=r"beta must be \[T, H\]"):
+        _call(_with(inputs, 4, inputs[4][:, :1].contiguous()), ctx)
+
+
+def test_tokens_do_not_match_the_context(args):
+    inputs, _, ctx = args
+    short = [x[:-1].contiguous() for x in inputs]
+    with pytest.raises(ValueError, match="q has T = 69 tokens but the context gives rank 0 70 local tokens"):
+        _call(short, ctx)
+
+
+def test_dtype_mismatch(args):
+    inputs, _, ctx = args
+    with pytest.raises(TypeError, match="k must have q's dtype"):
+        _call(_with(inputs, 1, inputs[1].double()), ctx)
+    with pytest.raises(TypeError, match="g must be float32"):
+        _call(_with(inputs, 3, inputs[3].bfloat16()), ctx)
+    with pytest.raises(TypeError, match="q must be a floating tensor"):
+        _call([x.to(torch.int32) if i < 3 else x for i, x in enumerate(inputs)], ctx)
+    with pytest.raises(TypeError, match="beta must be a floating tensor"):
+        _call(_with(inputs, 4, inputs[4].to(torch.int64)), ctx)
+
+
+def test_non_contiguous(args):
+    inputs, _, ctx = args
+    strided = inputs[2].transpose(0, 1).contiguous().transpose(0, 1)
+    with pytest.raises(ValueError, match="v must be contiguous"):
+        _call(_with(inputs, 2, strided), ctx)
+
+
+def test_device_mismatch(args):
+    inputs, _, ctx = args
+    with pytest.raises(ValueError, match="g is on meta but q is on cpu"):
+        _call(_with(inputs, 3, inputs[3].to("meta")), ctx)
+
+
+@pytest.mark.parametrize("scale, exc", [(-1.0, ValueError), (float("nan"), ValueError), (0.0, ValueError), ("0.1", TypeError)])
+def test_bad_scale(args, scale, exc):
+    inputs, _, ctx = args
+    with pytest.raises(exc, match="scale must be"):
+        _call(inputs, ctx, scale=scale)
+
+
+def test_ctx_and_workspace_types(args):
+    inputs, _, ctx = args
+    with pytest.raises(TypeError, match="ctx must be a KcpContext"):
+        _call(inputs, CU)
+    with pytest.raises(TypeError, match="workspace must be a WorkspaceKcp"):
+        _call(inputs, ctx, workspace=torch.empty(10, dtype=torch.uint8))
+
+
+def test_value_checks_on_request(args, monkeypatch):
+    inputs, _, ctx = args
+    hot = _with(inputs, 3, inputs[3] - 6.0)
+    _call(hot, ctx)  # not checked by default
+    with pytest.raises(ValueError, match=r"g must lie in \[-5, 0\]"):
+        _call(hot, ctx, validate=True)
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
+        _call(_with(inputs, 4, inputs[4] + 1.5), ctx, validate=True)
+    nan_q = inputs[0].clone()
+    nan_q[3, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="q holds non-finite values"):
+        _call(_with(inputs, 0, nan_q), ctx, validate=True)
+    monkeypatch.setenv("KDA_KCP_VALIDATE", "1")
+    with pytest.raises(ValueError, match=r"g must lie in \[-5, 0\]"):
+        _call(hot, ctx)
+    with pytest.raises(TypeError, match="validate must be True or False"):
+        _call(inputs, ctx, validate="yes")
+
+
+def test_bad_grad_output(args):
+    inputs, do, ctx = args
+    o, saved = kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx)
+    with pytest.raises(ValueError, match=r"do must have the output's shape \[70, 2, 8\]"):
+        kda_kcp.chunk_kda_bwd_kcp(do[:, :, :4], saved, ctx)
+    with pytest.raises(TypeError, match="do must be a torch.Tensor"):
+        kda_kcp.chunk_kda_bwd_kcp(None, saved, ctx)
+
+
+def test_cuda_backend_rules_checked_before_any_kernel(args):
+    """The CUDA backend takes BF16 q/k/v/beta, FP32 g and head dim 128 only (checked on the host)."""
+    inputs, _, ctx = args
+    with pytest.raises(TypeError, match="q must be torch.bfloat16 on the CUDA backend"):
+        check_inputs(*inputs, ctx, "cuda")
+    bf = [x.bfloat16() if i != 3 else x for i, x in enumerate(inputs)]
+    with pytest.raises(ValueError, match="head dim 128 only, got K = 16, V = 8"):
+        check_inputs(*bf, ctx, "cuda")

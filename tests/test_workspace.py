@@ -1,0 +1,63 @@
+"""Byte queries: exact arithmetic on the host (the W > 1 checks against real collectives are in test_kcp)."""
+
+import pytest
+import torch
+
+import kda_kcp
+from kda_kcp.partition import partition_kcp
+from helpers import offsets
+
+BENCH = offsets([42024, 57573, 73122, 88673])
+
+
+def test_single_rank_needs_no_exchange_and_saves_nothing():
+    ctx = kda_kcp.build_context_kcp(BENCH)
+    for H in (4, 16, 64):
+        assert kda_kcp.kda_workspace_bytes_kcp(ctx, H) == 0
+        assert kda_kcp.kda_saved_bytes_kcp(ctx, H) == 0
+        assert kda_kcp.kda_comm_bytes_kcp(ctx, H) == 0
+
+
+class _FakeGroupContext(kda_kcp.KcpContext):
+    """A rank's context for W ranks, built without a process group (host arithmetic only)."""
+
+    def __init__(self, cu, world, rank, layout):
+        super().__init__(cu, layout, None, world, rank, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("layout", kda_kcp.LAYOUTS)
+def test_byte_arithmetic_at_two_ranks(layout):
+    ctx = _FakeGroupContext(BENCH, 2, 0, layout)
+    H, K = 16, 128
+    per = H * K * (K + K) * 4  # one summary: K x K map + K x V offset per head, FP32
+    fwd, bwd = ctx.plan.fwd_slots, ctx.plan.bwd_slots
+    assert kda_kcp.kda_comm_bytes_kcp(ctx, H) == 2 * (2 - 1) * per * (fwd + bwd)
+    assert kda_kcp.kda_workspace_bytes_kcp(ctx, H) == (1 + 2) * max(fwd, bwd) * per
+    assert kda_kcp.kda_saved_bytes_kcp(ctx, H) == ctx.local.num_runs * H * K * K * 4
+    parts = partition_kcp(BENCH, 2, layout)
+    assert ctx.pieces == parts[0]
+
+
+def test_arena_arguments():
+    ctx = kda_kcp.build_context_kcp(BENCH)
+    assert kda_kcp.kda_workspace_bytes_kcp(ctx, 4, local_arena="lean") == 0
+    for passes in (1, 8):
+        kda_kcp.kda_workspace_bytes_kcp(ctx, 4, local_arena="lean", lean_passes=passes)
+    for passes in (0, 9, 2.0, True):
+        with pytest.raises(ValueError, match="lean_passes must be an int in 1..8"):
+            kda_kcp.kda_workspace_bytes_kcp(ctx, 4, local_arena="lean", lean_passes=passes)
+    with pytest.raises(ValueError, match="local_arena must be one of"):
+        kda_kcp.kda_workspace_bytes_kcp(ctx, 4, local_arena="tiny")
+    with pytest.raises(ValueError, match="lean_passes applies to local_arena='lean'"):
+        kda_kcp.kda_workspace_bytes_kcp(ctx, 4, lean_passes=2)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="num_heads must be a positive int"):
+            kda_kcp.kda_saved_bytes_kcp(ctx, bad)
+
+
+def test_workspace_object():
+    ctx = kda_kcp.build_context_kcp(BENCH)
+    ws = kda_kcp.WorkspaceKcp(ctx, 16)
+    assert ws.nbytes == 0 and ws.buffer.numel() == 0 and ws.device == torch.device("cpu")
+    with pytest.raises(TypeError, match="uint8"):
+        kda_kcp.WorkspaceKcp.from_buffer(torch.empty(8, dtype=torch.float32))
