@@ -341,7 +341,7 @@ class Bench:
             cp = self.build_cp_context(cu_cpu.to(self.device), group=self.group, cu_seqlens_cpu=cu_cpu, layout=layout)
         except Exception as exc:  # noqa: BLE001
             return None, f"build_cp_context: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        # FLA's split is ours when T divides: check that both shard the same tokens in the same order
+        # when T divides, FLA splits exactly as we do (equal parts): the token counts must agree
         n_local = int(cp.cu_seqlens_cpu[-1])
         if n_local != ctx.local_tokens:
             return None, f"FLA CP shard has {n_local} tokens, ours {ctx.local_tokens}"
@@ -360,7 +360,8 @@ class Bench:
         """fn(q, k, v, g, beta) -> o [T, H, V] for one arm (workspace, if any, allocated here)."""
         if arm in OURS:
             det = arm == "det"
-            ws = None if self.args.no_workspace else kda_kcp.WorkspaceKcp(lay.ctx, H, device=self.device, deterministic=det)
+            ws = None if self.args.no_workspace else kda_kcp.WorkspaceKcp(
+                lay.ctx, H, device=self.device, deterministic=det, head_dim=self.D)
             ctx = lay.ctx
 
             def ours(q, k, v, g, beta):
@@ -487,10 +488,8 @@ class Bench:
 
         for a in arms:  # one untimed warm-up call per arm (compiles, autotunes, fills caches)
             if status[a] is None:
-                res, status[a] = self.guarded(f"{lay.name} H={H} {op} {a} warm-up",
-                                              lambda: self.visit(a, op, lay, H, x, do, 1))
-                if res is not None:
-                    note_peak(a, res[1], res[2])
+                _, status[a] = self.guarded(f"{lay.name} H={H} {op} {a} warm-up",
+                                            lambda: self.visit(a, op, lay, H, x, do, 1))
         order = [a for a in arms if status[a] is None]
         for gi in range(args.groups):
             for a in order + order[::-1]:
@@ -513,8 +512,20 @@ class Bench:
                 "peak_bytes": peaks[a][0],
                 "peak_above_inputs_bytes": peaks[a][1],
             }
+        row["kda_kcp_bytes"] = self.byte_queries(lay, H)
         finish_row(row)
         return row
+
+    def byte_queries(self, lay, H) -> dict:
+        """What the library says a call of this rank needs (workspace, saved for the backward, exchanged)."""
+        out = {}
+        for name, fn in (("workspace", kda_kcp.kda_workspace_bytes_kcp), ("saved", kda_kcp.kda_saved_bytes_kcp),
+                         ("comm", kda_kcp.kda_comm_bytes_kcp)):
+            try:
+                out[name] = int(fn(lay.ctx, H, head_dim=self.D))
+            except Exception as exc:  # noqa: BLE001 - informational only
+                out[name] = f"{type(exc).__name__}: {exc}"
+        return out
 
     # -- accuracy slice -----------------------------------------------------------------------------
 
@@ -524,7 +535,7 @@ class Bench:
         Hs, D = args.oracle_heads, self.D
         lens = [n for n in args.doc_lengths if n > 0][:2]
         starts = [self.cu[i] for i, n in enumerate(args.doc_lengths) if n > 0][:2]
-        unit = 2 * self.W  # FLA CP needs the slice's T divisible by 2W
+        unit = 2 * self.W if self.W > 1 else 1  # FLA CP needs the slice's T divisible by 2W
         cut = []
         for n in lens:
             m = min(n, args.oracle_tokens)
@@ -684,7 +695,6 @@ class Bench:
         meta["wall_s"] = round(time.perf_counter() - self.t0, 1)
         result = {"meta": meta, "rows": rows, "accuracy": accuracy}
         if self.rank == 0:
-            report(result)
             if a.json:
                 Path(a.json).parent.mkdir(parents=True, exist_ok=True)
                 with open(a.json, "w") as f:
@@ -692,6 +702,7 @@ class Bench:
                 print(f"wrote {a.json}", flush=True)
             if a.plot:
                 plot(result, a.plot)
+            report(result)  # the tables come last
         return result
 
 
@@ -817,10 +828,14 @@ def report(result):
     print(f"## Time per call in ms ({meta['device']} x {meta['world']}, {meta['date_utc']}, kda_kcp backend "
           f"{meta['kda_kcp_backend']}, fla {meta['fla']})")
     print(f"command: {meta['command']}")
+    print("arms: det / nd = kda_kcp.chunk_kda_kcp(deterministic=True / False); control = a second visit of nd; "
+          "fla = fla.ops.kda.chunk_kda(safe_gate=True, cu_seqlens=...) on the same shard; "
+          "fla_cp = chunk_kda(safe_gate=True, cp_context=build_cp_context(cu_seqlens, group, layout=...))")
     print("cell = median over groups of the group medians; speedup a/b = b ms / a ms; "
           f"{DAGGER} = control/nd outside {CONTROL_BAND[0]}-{CONTROL_BAND[1]} or |drift of nd| > {100 * DRIFT_LIMIT:.0f} %"
           + ("; fla at W > 1 = FLA without CP on this rank's shard" if meta["world"] > 1 else ""))
-    print(main_table(result), flush=True)
+    print(main_table(result))
+    print(f"wall time {meta['wall_s']:.0f} s", flush=True)
 
 
 def plot(result, path):
