@@ -6,7 +6,7 @@ dim 128, drawn on the device from a fixed seed:
 
     q, k   randn, L2-normalised over the head dim in FP32, then BF16
     v, do  randn, BF16
-    g      logsigmoid(2 + 1.5 z), z ~ N(0, 1), clipped below at -5: FP32 in [-5, 0), mean about -0.3
+    g      logsigmoid(2 + 1.5 z), z ~ N(0, 1), clipped below at -5: FP32 in [-5, 0), mean about -0.26
            (already activated; FLA gets the same tensor with use_gate_in_kernel=False, safe_gate=True)
     beta   sigmoid(z) clipped to [2^-8, 1 - 2^-8], BF16 (strictly inside (0, 1))
 
