@@ -1,4 +1,4 @@
-"""KCP over gloo: W = 2, 3, 4 spawned processes against the single-rank run, for every layout.
+"""KCP over gloo: W = 2, 3, 4, 8 spawned processes against the single-rank run, for every layout.
 
 Each spawned rank computes the W = 1 result itself (same seeds), runs its shard, and gathers the shards
 back to global tensors; a failed assertion in any rank fails the test.
@@ -60,7 +60,7 @@ def _kcp_matches_single_rank(rank, world):
                 assert rel_rms(x, r) < 1e-12, (case, layout, "nondet", name)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_kcp_matches_single_rank(world):
     run_distributed(_kcp_matches_single_rank, world)
 
