@@ -35,8 +35,16 @@ class KcpContext:
         self.num_tokens = cu[-1]
         self.local_tokens = sum(e - s for s, e in self.pieces)
         self.local = LocalPlan(self.local_tokens, self.plan.rank_runs[rank])
-        idx = [t for s, e in self.pieces for t in range(s, e)]
-        self.token_index = torch.tensor(idx, dtype=torch.long, device=device)
+        idx = [torch.arange(s, e, dtype=torch.long) for s, e in self.pieces]
+        self.token_index = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)).to(device)
+        self._index_on = {str(self.token_index.device): self.token_index}
+
+    def index_on(self, device) -> torch.Tensor:
+        """token_index on ``device`` (copied there once, then cached)."""
+        key = str(torch.device(device))
+        if key not in self._index_on:
+            self._index_on[key] = self.token_index.to(device)
+        return self._index_on[key]
 
     @property
     def num_docs(self) -> int:
@@ -48,14 +56,14 @@ class KcpContext:
             raise TypeError(f"shard expects a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[0] != self.num_tokens:
             raise ValueError(f"shard expects a tensor with T = {self.num_tokens} rows, got shape {tuple(x.shape)}")
-        return x.index_select(0, self.token_index.to(x.device))
+        return x.index_select(0, self.index_on(x.device))
 
     def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
         """Scatter this rank's local tokens into a zero global [T, ...] tensor (other ranks' rows stay 0)."""
         if x_local.shape[0] != self.local_tokens:
             raise ValueError(f"unshard expects {self.local_tokens} local rows, got shape {tuple(x_local.shape)}")
         out = x_local.new_zeros(self.num_tokens, *x_local.shape[1:])
-        out[self.token_index.to(x_local.device)] = x_local
+        out[self.index_on(x_local.device)] = x_local
         return out
 
     def __repr__(self) -> str:
