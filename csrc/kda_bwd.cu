@@ -1,0 +1,1138 @@
+// KDA chunked backward, head dim 128, chunk 64 (v1, staged). Four kernels:
+//
+//   prep_kernel      (chunk, head):        G = cumsum g, P, L, Aqk by anchored pairwise products on tensor
+//                                          cores, A = (I + L)^-1 in FP32 (blocked substitution), W, U, Kg,
+//                                          s Qg, gamma -> one record per chunk-head in the workspace.
+//   fwd_walk_kernel  (run, head, 64 cols): S^T in registers (FP32 accumulators), serial over the run's
+//                                          chunks: writes h (state entering each chunk, FP32).
+//   rev_walk_kernel  (run, head, 64 cols): dS^T in registers, serial from the run's end: writes dh
+//                                          (gradient of the state leaving each chunk, FP32), or the
+//                                          backward summary (M^T | F) of a run from a zero dS.
+//   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads),
+//                                          every product on tensor cores, bf16 hi + lo operands
+//                                          (three products) wherever an operand is not exact in bf16.
+//
+// No atomics anywhere; every reduction has a fixed order, so the result is bitwise repeatable, and the
+// same kernels serve both packages (det and nondet).
+#include "kda_common.cuh"
+#include "kda_bwd.h"
+
+namespace kda {
+namespace bwd {
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int C = 64;
+constexpr int D = 128;
+constexpr int NTH = 256;
+constexpr int LDL = 68;  // fp32 row stride of the 64x64 L / A tiles in the prep
+
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+// ------------------------------------------------------------------------------------------------
+// warp-level GEMM on swizzled bf16 shared tiles:
+//   acc[MI][NI] (rows m0 + 16 mi, cols n0 + 8 ni) += sum_{kk < nk} A(m, ka + kk) B(kb + kk, n)
+// A storage [m][k] (AT = false) or [k][m] (AT = true), row length RLA; B storage [n][k] (BT = false)
+// or [k][n] (BT = true), row length RLB. SA / SB: a lo tile exists (hi*hi + lo*hi + hi*lo).
+// ------------------------------------------------------------------------------------------------
+template <int MI, int NI, int RLA, bool AT, bool SA, int RLB, bool BT, bool SB>
+__device__ __forceinline__ void wgemm(float (&acc)[MI][NI][4], const bf16* Ah, const bf16* Al, int m0, int ka,
+                                      const bf16* Bh, const bf16* Bl, int n0, int kb, int nk, int lane) {
+  static_assert(NI % 2 == 0, "NI must be even");
+  for (int kk = 0; kk < nk; kk += 16) {
+    uint32_t ah[MI][4], al[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      if constexpr (AT) {
+        lda_t<RLA>(ah[mi], Ah, m0 + 16 * mi, ka + kk, lane);
+        if constexpr (SA) lda_t<RLA>(al[mi], Al, m0 + 16 * mi, ka + kk, lane);
+      } else {
+        lda<RLA>(ah[mi], Ah, m0 + 16 * mi, ka + kk, lane);
+        if constexpr (SA) lda<RLA>(al[mi], Al, m0 + 16 * mi, ka + kk, lane);
+      }
+    }
+#pragma unroll
+    for (int nj = 0; nj < NI / 2; ++nj) {
+      uint32_t bh[4], bl[4];
+      if constexpr (BT) {
+        ldb_t<RLB>(bh, Bh, kb + kk, n0 + 16 * nj, lane);
+        if constexpr (SB) ldb_t<RLB>(bl, Bl, kb + kk, n0 + 16 * nj, lane);
+      } else {
+        ldb<RLB>(bh, Bh, kb + kk, n0 + 16 * nj, lane);
+        if constexpr (SB) ldb<RLB>(bl, Bl, kb + kk, n0 + 16 * nj, lane);
+      }
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        mma(acc[mi][2 * nj], ah[mi], bh[0], bh[1]);
+        mma(acc[mi][2 * nj + 1], ah[mi], bh[2], bh[3]);
+        if constexpr (SA) {
+          mma(acc[mi][2 * nj], al[mi], bh[0], bh[1]);
+          mma(acc[mi][2 * nj + 1], al[mi], bh[2], bh[3]);
+        }
+        if constexpr (SB) {
+          mma(acc[mi][2 * nj], ah[mi], bl[0], bl[1]);
+          mma(acc[mi][2 * nj + 1], ah[mi], bl[2], bl[3]);
+        }
+      }
+    }
+  }
+}
+
+template <int MI, int NI>
+__device__ __forceinline__ void zero(float (&acc)[MI][NI][4]) {
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
+}
+
+// f(row, col, x0, x1): the pair (row, col), (row, col + 1) of the accumulator tile.
+template <int MI, int NI, class F>
+__device__ __forceinline__ void epi(float (&acc)[MI][NI][4], int m0, int n0, int lane, F&& f) {
+  const int g4 = lane >> 2, l4 = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2)
+        f(m0 + 16 * mi + g4 + 8 * e2, n0 + 8 * ni + 2 * l4, acc[mi][ni][2 * e2], acc[mi][ni][2 * e2 + 1]);
+}
+
+// store a pair as bf16 hi (+ lo) into swizzled tiles
+template <int RL>
+__device__ __forceinline__ void st2(bf16* th, bf16* tl, int r, int c, float x0, float x1) {
+  uint32_t hi, lo;
+  split2(x0, x1, hi, lo);
+  *reinterpret_cast<uint32_t*>(th + swz<RL>(r, c)) = hi;
+  if (tl != nullptr) *reinterpret_cast<uint32_t*>(tl + swz<RL>(r, c)) = lo;
+}
+template <int RL>
+__device__ __forceinline__ float2 ld2(const bf16* t, int r, int c) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t + swz<RL>(r, c)));
+}
+
+// rows [0, rows) of a bf16 matrix with RL columns (global row stride gstride elements) -> swizzled tile;
+// rows >= nvalid are zero-filled.
+template <int RL, int NT>
+__device__ __forceinline__ void load_bf16(bf16* dst, const bf16* src, int64_t gstride, int rows, int nvalid,
+                                          int tid) {
+  constexpr int PR = RL / 8;
+  for (int p = tid; p < rows * PR; p += NT) {
+    const int r = p / PR, c = (p % PR) * 8;
+    const bool ok = r < nvalid;
+    cp_async16(dst + swz<RL>(r, c), ok ? src + r * gstride + c : src, ok);
+  }
+}
+// fp32 [rows][cols] (global row stride gstride) -> plain tile with row stride ld; rows >= nvalid zero.
+template <int NT>
+__device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, int64_t gstride, int rows, int cols,
+                                         int nvalid, int tid) {
+  const int PR = cols / 4;
+  for (int p = tid; p < rows * PR; p += NT) {
+    const int r = p / PR, c = (p % PR) * 4;
+    const bool ok = r < nvalid;
+    cp_async16(dst + r * ld + c, ok ? src + r * gstride + c : src, ok);
+  }
+}
+
+// Cc section of anchor block I starts at this row (section I holds rows 0 .. 16 I + 15).
+__device__ __forceinline__ int cc_sec(int I) { return I * (I + 1) * 8; }
+
+// 2-level cumsum over the 64 rows of an fp32 [64][128] tile (256 threads), forward or reverse.
+template <bool REV>
+__device__ __forceinline__ void cumsum_rows(float* t, int tid) {
+  const int d = tid & 127, half = tid >> 7;
+  float run = 0.f;
+  if constexpr (!REV) {
+    for (int r = 32 * half; r < 32 * half + 32; ++r) {
+      run += t[r * D + d];
+      t[r * D + d] = run;
+    }
+  } else {
+    for (int r = 32 * half + 31; r >= 32 * half; --r) {
+      run += t[r * D + d];
+      t[r * D + d] = run;
+    }
+  }
+  __syncthreads();
+  if constexpr (!REV) {
+    if (half == 1) {
+      const float off = t[31 * D + d];
+      for (int r = 32; r < 64; ++r) t[r * D + d] += off;
+    }
+  } else {
+    if (half == 0) {
+      const float off = t[32 * D + d];
+      for (int r = 0; r < 32; ++r) t[r * D + d] += off;
+    }
+  }
+  __syncthreads();
+}
+
+// ================================================================================================
+// prep
+// ================================================================================================
+constexpr int P_Q = 0;
+constexpr int P_K = 16384;
+constexpr int P_V = 32768;
+constexpr int P_G = 49152;    // fp32 [64][128]
+constexpr int P_KRH = 81920;  // phase 1: anchored row operands and one Cc section (64 rows)
+constexpr int P_KRL = 98304;
+constexpr int P_QRH = 114688;
+constexpr int P_QRL = 131072;
+constexpr int P_CCH = 147456;
+constexpr int P_CCL = 163840;
+constexpr int P_A = 81920;    // phase 2 (over phase 1): fp32 [64][LDL]
+constexpr int P_PT = P_A + C * LDL * 4;   // fp32 [3][16][16]
+constexpr int P_ABH = P_PT + 3072;        // bf16 sw64 [64][64]
+constexpr int P_ABL = P_ABH + 8192;
+constexpr int P_X = P_ABL + 8192;         // bf16 sw128 [64][128]  K o exp(G)
+constexpr int P_L = 180224;               // fp32 [64][LDL]
+constexpr int P_BETA = P_L + C * LDL * 4;
+constexpr int P_SMEM = P_BETA + 256;
+static_assert(P_X + 16384 <= P_L, "prep phase 2 overflows");
+
+__global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
+  extern __shared__ __align__(128) char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int c = blockIdx.x, h = blockIdx.y, H = a.H;
+  const int64_t tok = a.chunks[2 * c];
+  const int nrows = a.chunks[2 * c + 1];
+  bf16* sQ = reinterpret_cast<bf16*>(smem + P_Q);
+  bf16* sK = reinterpret_cast<bf16*>(smem + P_K);
+  bf16* sV = reinterpret_cast<bf16*>(smem + P_V);
+  float* sG = reinterpret_cast<float*>(smem + P_G);
+  bf16* sKrh = reinterpret_cast<bf16*>(smem + P_KRH);
+  bf16* sKrl = reinterpret_cast<bf16*>(smem + P_KRL);
+  bf16* sQrh = reinterpret_cast<bf16*>(smem + P_QRH);
+  bf16* sQrl = reinterpret_cast<bf16*>(smem + P_QRL);
+  bf16* sCch = reinterpret_cast<bf16*>(smem + P_CCH);
+  bf16* sCcl = reinterpret_cast<bf16*>(smem + P_CCL);
+  float* sA = reinterpret_cast<float*>(smem + P_A);
+  float* sPt = reinterpret_cast<float*>(smem + P_PT);
+  bf16* sAbh = reinterpret_cast<bf16*>(smem + P_ABH);
+  bf16* sAbl = reinterpret_cast<bf16*>(smem + P_ABL);
+  bf16* sX = reinterpret_cast<bf16*>(smem + P_X);
+  float* sL = reinterpret_cast<float*>(smem + P_L);
+  float* sBeta = reinterpret_cast<float*>(smem + P_BETA);
+
+  const int64_t gs = static_cast<int64_t>(H) * D;
+  const int64_t base = (tok * H + h) * D;
+  load_bf16<128, NTH>(sQ, static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
+  load_bf16<128, NTH>(sK, static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
+  load_bf16<128, NTH>(sV, static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
+  load_f32<NTH>(sG, D, a.g + base, gs, C, D, nrows, tid);
+  cp_async_commit();
+  if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
+  cp_async_wait_all();
+  __syncthreads();
+  cumsum_rows<false>(sG, tid);
+
+  char* rec = a.prep + (static_cast<int64_t>(c) * H + h) * kPrepBytes;
+  bf16* gW = reinterpret_cast<bf16*>(rec + kRecW);
+  bf16* gKg = reinterpret_cast<bf16*>(rec + kRecKg);
+  bf16* gQg = reinterpret_cast<bf16*>(rec + kRecQg);
+  bf16* gAqkH = reinterpret_cast<bf16*>(rec + kRecAqkH);
+  bf16* gAqkL = reinterpret_cast<bf16*>(rec + kRecAqkL);
+  bf16* gAH = reinterpret_cast<bf16*>(rec + kRecAH);
+  bf16* gAL = reinterpret_cast<bf16*>(rec + kRecAL);
+  float* gU = reinterpret_cast<float*>(rec + kRecU);
+  float* gP = reinterpret_cast<float*>(rec + kRecP);
+  float* gGam = reinterpret_cast<float*>(rec + kRecGam);
+
+  // anchored row operands: x_id exp(G_id - G_{a(i) d}) (<= |x|)
+  for (int p = tid; p < C * D / 2; p += NTH) {
+    const int r = p >> 6, d = (p & 63) * 2;
+    const int ar = r & ~15;
+    const float e0 = fexp(sG[r * D + d] - sG[ar * D + d]), e1 = fexp(sG[r * D + d + 1] - sG[ar * D + d + 1]);
+    const float2 kk = ld2<128>(sK, r, d), qq = ld2<128>(sQ, r, d);
+    st2<128>(sKrh, sKrl, r, d, kk.x * e0, kk.y * e1);
+    st2<128>(sQrh, sQrl, r, d, qq.x * e0, qq.y * e1);
+  }
+  // zero the strictly upper blocks of P and Aqk (never computed)
+  for (int p = tid; p < C * C; p += NTH) {
+    const int r = p >> 6, cc = p & 63;
+    if ((cc >> 4) > (r >> 4)) {
+      gP[p] = 0.f;
+      gAqkH[p] = __float2bfloat16_rn(0.f);
+      gAqkL[p] = __float2bfloat16_rn(0.f);
+    }
+  }
+  for (int I = 0; I < 4; ++I) {
+    // Cc_I rows j < 16 (I + 1): k_jd exp(G_{16 I, d} - G_jd)
+    for (int p = tid; p < 16 * (I + 1) * (D / 2); p += NTH) {
+      const int j = p >> 6, d = (p & 63) * 2;
+      const float e0 = fexp(sG[16 * I * D + d] - sG[j * D + d]);
+      const float e1 = fexp(sG[16 * I * D + d + 1] - sG[j * D + d + 1]);
+      const float2 kk = ld2<128>(sK, j, d);
+      st2<128>(sCch, sCcl, j, d, kk.x * e0, kk.y * e1);
+    }
+    __syncthreads();
+    if (warp < 2 * (I + 1)) {
+      const int J = warp >> 1;
+      const bool isQ = warp & 1;
+      float acc[1][2][4];
+      zero(acc);
+      if (isQ)
+        wgemm<1, 2, 128, false, true, 128, false, true>(acc, sQrh, sQrl, 16 * I, 0, sCch, sCcl, 16 * J, 0, D, lane);
+      else
+        wgemm<1, 2, 128, false, true, 128, false, true>(acc, sKrh, sKrl, 16 * I, 0, sCch, sCcl, 16 * J, 0, D, lane);
+      epi(acc, 16 * I, 16 * J, lane, [&](int i, int j, float& x0, float& x1) {
+        if (isQ) {
+          const float y0 = j <= i ? x0 * a.scale : 0.f, y1 = j + 1 <= i ? x1 * a.scale : 0.f;
+          uint32_t hi, lo;
+          split2(y0, y1, hi, lo);
+          *reinterpret_cast<uint32_t*>(gAqkH + i * C + j) = hi;
+          *reinterpret_cast<uint32_t*>(gAqkL + i * C + j) = lo;
+        } else {
+          const float p0 = j < i ? x0 : 0.f, p1 = j + 1 < i ? x1 : 0.f;
+          *reinterpret_cast<float2*>(gP + i * C + j) = make_float2(p0, p1);
+          const float b = sBeta[i];
+          sL[i * LDL + j] = p0 * b;
+          sL[i * LDL + j + 1] = p1 * b;
+        }
+      });
+    }
+    __syncthreads();
+  }
+
+  // ---- A = (I + L)^-1: diagonal blocks by substitution, then off-diagonal blocks by level ----
+  for (int p = tid; p < C * C; p += NTH) {
+    const int r = p >> 6, cc = p & 63;
+    if ((cc >> 4) > (r >> 4)) sA[r * LDL + cc] = 0.f;
+  }
+  if (tid < 64) {
+    const int I = tid >> 4, cl = tid & 15;
+    const float* Lb = sL + (I * 16) * LDL + I * 16;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) x[r] = (r == cl) ? 1.f : 0.f;
+#pragma unroll
+    for (int m = 0; m < 15; ++m)
+#pragma unroll
+      for (int r = m + 1; r < 16; ++r) x[r] = fmaf(-Lb[r * LDL + m], x[m], x[r]);
+#pragma unroll
+    for (int r = 0; r < 16; ++r) sA[(I * 16 + r) * LDL + I * 16 + cl] = x[r];
+  }
+  __syncthreads();
+  for (int lev = 1; lev < 4; ++lev) {
+    const int np = 4 - lev;
+    for (int e = tid; e < np * 256; e += NTH) {
+      const int p = e >> 8, r = (e >> 4) & 15, cl = e & 15;
+      const int I = lev + p, J = p;
+      float s = 0.f;
+      for (int m = 16 * J; m < 16 * I; ++m) s = fmaf(sL[(16 * I + r) * LDL + m], sA[m * LDL + 16 * J + cl], s);
+      sPt[p * 256 + r * 16 + cl] = s;
+    }
+    __syncthreads();
+    for (int e = tid; e < np * 256; e += NTH) {
+      const int p = e >> 8, r = (e >> 4) & 15, cl = e & 15;
+      const int I = lev + p, J = p;
+      float s = 0.f;
+#pragma unroll
+      for (int m = 0; m < 16; ++m) s = fmaf(sA[(16 * I + r) * LDL + 16 * I + m], sPt[p * 256 + m * 16 + cl], s);
+      sA[(16 * I + r) * LDL + 16 * J + cl] = -s;
+    }
+    __syncthreads();
+  }
+  // A (hi, lo) to the record; A diag(beta) to shared; X = K o exp(G); Kg, s Qg, gamma to the record
+  for (int p = tid; p < C * C / 2; p += NTH) {
+    const int r = p >> 5, cc = (p & 31) * 2;
+    const float a0 = sA[r * LDL + cc], a1 = sA[r * LDL + cc + 1];
+    uint32_t hi, lo;
+    split2(a0, a1, hi, lo);
+    *reinterpret_cast<uint32_t*>(gAH + r * C + cc) = hi;
+    *reinterpret_cast<uint32_t*>(gAL + r * C + cc) = lo;
+    st2<64>(sAbh, sAbl, r, cc, a0 * sBeta[cc], a1 * sBeta[cc + 1]);
+  }
+  for (int p = tid; p < C * D / 2; p += NTH) {
+    const int r = p >> 6, d = (p & 63) * 2;
+    const float G0 = sG[r * D + d], G1 = sG[r * D + d + 1];
+    const float L0 = sG[63 * D + d], L1 = sG[63 * D + d + 1];
+    const float x0 = fexp(G0), x1 = fexp(G1);
+    const float2 kk = ld2<128>(sK, r, d), qq = ld2<128>(sQ, r, d);
+    *reinterpret_cast<uint32_t*>(sX + sw128(r, d)) = pack_bf16(kk.x * x0, kk.y * x1);
+    *reinterpret_cast<uint32_t*>(gKg + r * D + d) = pack_bf16(kk.x * fexp(L0 - G0), kk.y * fexp(L1 - G1));
+    *reinterpret_cast<uint32_t*>(gQg + r * D + d) = pack_bf16(a.scale * qq.x * x0, a.scale * qq.y * x1);
+    if (r == 63) *reinterpret_cast<float2*>(gGam + d) = make_float2(fexp(L0), fexp(L1));
+  }
+  __syncthreads();
+  {
+    const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
+    float acc[1][8][4];
+    zero(acc);
+    wgemm<1, 8, 64, false, true, 128, true, false>(acc, sAbh, sAbl, m0, 0, sX, nullptr, n0, 0, m0 + 16, lane);
+    epi(acc, m0, n0, lane, [&](int r, int cc, float& x0, float& x1) {
+      *reinterpret_cast<uint32_t*>(gW + r * D + cc) = pack_bf16(x0, x1);
+    });
+    zero(acc);
+    wgemm<1, 8, 64, false, true, 128, true, false>(acc, sAbh, sAbl, m0, 0, sV, nullptr, n0, 0, m0 + 16, lane);
+    epi(acc, m0, n0, lane, [&](int r, int cc, float& x0, float& x1) {
+      *reinterpret_cast<float2*>(gU + r * D + cc) = make_float2(x0, x1);
+    });
+  }
+}
+
+// ================================================================================================
+// walks: NW warps per CTA, each warp owns 16 state columns (value columns, or virtual [M^T | F]
+// columns in summary mode); the state is held transposed, ST[v][d], as mma accumulators.
+// ================================================================================================
+constexpr int WNW = 4;                 // warps per walk CTA
+constexpr int WCOLS = WNW * 16;        // state columns per walk CTA
+constexpr int WUL = WCOLS + 4;         // fp32 row stride of the U tile
+// forward stage: W, Kg (bf16 sw128), U tile (fp32 [64][WUL]), gamma
+constexpr int FW_W = 0;
+constexpr int FW_KG = 16384;
+constexpr int FW_U = 32768;
+constexpr int FW_GAM = FW_U + C * WUL * 4;
+constexpr int FW_STAGE = FW_GAM + 512;
+// reverse stage: W, Kg, Qg (bf16 sw128), Aqk hi / lo (sw64), dO tile (sw64 [64][64]), gamma
+constexpr int RW_W = 0;
+constexpr int RW_KG = 16384;
+constexpr int RW_QG = 32768;
+constexpr int RW_AQH = 49152;
+constexpr int RW_AQL = 57344;
+constexpr int RW_DO = 65536;
+constexpr int RW_GAM = 73728;
+constexpr int RW_STAGE = RW_GAM + 512;
+static_assert(WCOLS == 64, "the dO tile is a 64-column swizzled tile");
+
+__device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, int tid) {
+  const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
+  load_bf16<128, WNW * 32>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
+  load_bf16<128, WNW * 32>(reinterpret_cast<bf16*>(st + FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
+  load_f32<WNW * 32>(reinterpret_cast<float*>(st + FW_U), WUL, reinterpret_cast<const float*>(rec + kRecU) + col0, D, C,
+                     WCOLS, C, tid);
+  load_f32<WNW * 32>(reinterpret_cast<float*>(st + FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1,
+                     tid);
+}
+
+__global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
+  extern __shared__ __align__(128) char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r = blockIdx.x, h = blockIdx.y, H = a.H;
+  const int col0 = blockIdx.z * WCOLS;
+  const int vloc = warp * 16, vcol = col0 + vloc;
+  const int g4 = lane >> 2, l4 = lane & 3;
+  const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2];
+
+  float ST[16][4];
+  {
+    const float* src = (a.state_in != nullptr && sidx >= 0) ? a.state_in + (static_cast<int64_t>(sidx) * H + h) * D * D : nullptr;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
+        ST[nt][e] = src != nullptr ? src[d * D + v] : 0.f;
+      }
+  }
+  if (nc > 0) fwd_stage_load(smem, a, first, h, col0, tid);
+  cp_async_commit();
+  for (int j = 0; j < nc; ++j) {
+    char* st = smem + (j & 1) * FW_STAGE;
+    if (j + 1 < nc) {
+      fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, tid);
+      cp_async_commit();
+      cp_async_wait1();
+    } else {
+      cp_async_wait_all();
+    }
+    __syncthreads();
+    const bf16* sW = reinterpret_cast<const bf16*>(st + FW_W);
+    const bf16* sKg = reinterpret_cast<const bf16*>(st + FW_KG);
+    const float* sU = reinterpret_cast<const float*>(st + FW_U);
+    const float* sGam = reinterpret_cast<const float*>(st + FW_GAM);
+    // h of this chunk: the state entering it
+    {
+      float* dst = a.h + (static_cast<int64_t>(first + j) * H + h) * D * D;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
+          dst[d * D + v] = ST[nt][e];
+        }
+    }
+    // V_new^T = U^T - S^T W^T
+    float VN[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) VN[nt][e] = sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)];
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t sh[4], sl[4];
+      split2(ST[2 * ks][0], ST[2 * ks][1], sh[0], sl[0]);
+      split2(ST[2 * ks][2], ST[2 * ks][3], sh[1], sl[1]);
+      split2(ST[2 * ks + 1][0], ST[2 * ks + 1][1], sh[2], sl[2]);
+      split2(ST[2 * ks + 1][2], ST[2 * ks + 1][3], sh[3], sl[3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sh[e] ^= 0x80008000u;
+        sl[e] ^= 0x80008000u;
+      }
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t bw[4];
+        ldb<128>(bw, sW, ks * 16, np * 16, lane);
+        mma(VN[2 * np], sh, bw[0], bw[1]);
+        mma(VN[2 * np + 1], sh, bw[2], bw[3]);
+        mma(VN[2 * np], sl, bw[0], bw[1]);
+        mma(VN[2 * np + 1], sl, bw[2], bw[3]);
+      }
+    }
+    uint32_t vh[4][4], vl[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      split2(VN[2 * ks][0], VN[2 * ks][1], vh[ks][0], vl[ks][0]);
+      split2(VN[2 * ks][2], VN[2 * ks][3], vh[ks][1], vl[ks][1]);
+      split2(VN[2 * ks + 1][0], VN[2 * ks + 1][1], vh[ks][2], vl[ks][2]);
+      split2(VN[2 * ks + 1][2], VN[2 * ks + 1][3], vh[ks][3], vl[ks][3]);
+    }
+    // S^T = S^T Diag(gamma) + V_new^T Kg
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const float ga0 = sGam[nt * 8 + 2 * l4], ga1 = sGam[nt * 8 + 2 * l4 + 1];
+      ST[nt][0] *= ga0;
+      ST[nt][1] *= ga1;
+      ST[nt][2] *= ga0;
+      ST[nt][3] *= ga1;
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t b[4];
+        ldb_t<128>(b, sKg, ks * 16, np * 16, lane);
+        mma(ST[2 * np], vh[ks], b[0], b[1]);
+        mma(ST[2 * np + 1], vh[ks], b[2], b[3]);
+        mma(ST[2 * np], vl[ks], b[0], b[1]);
+        mma(ST[2 * np + 1], vl[ks], b[2], b[3]);
+      }
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
+  }
+}
+
+__device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF, int tid) {
+  const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
+  constexpr int NT = WNW * 32;
+  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
+  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
+  load_f32<NT>(reinterpret_cast<float*>(st + RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1, tid);
+  if (withF) {
+    load_bf16<128, NT>(reinterpret_cast<bf16*>(st + RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, C, tid);
+    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, C, tid);
+    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, C, tid);
+    const int64_t tok = a.chunks[2 * c];
+    const int nrows = a.chunks[2 * c + 1];
+    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + RW_DO),
+                      static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D, C,
+                      nrows, tid);
+  }
+}
+
+// SUMMARY: virtual columns [M^T (0..127) | F (128..255)], grid.z = 4; else 128 value columns, grid.z = 2.
+template <bool SUMMARY>
+__global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
+  extern __shared__ __align__(128) char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r = blockIdx.x, h = blockIdx.y, H = a.H;
+  const int vz = blockIdx.z * WCOLS;        // virtual column base of the CTA
+  const bool withF = !SUMMARY || vz >= D;   // the F part (dO terms) vs the M^T part
+  const int col0 = vz & (D - 1);
+  const int vcol = col0 + warp * 16;
+  const int g4 = lane >> 2, l4 = lane & 3;
+  const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], oidx = a.runs[4 * r + 3];
+
+  float ST[16][4];
+  {
+    const float* src = (!SUMMARY && a.dstate_out != nullptr && sidx >= 0)
+                           ? a.dstate_out + (static_cast<int64_t>(sidx) * H + h) * D * D
+                           : nullptr;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
+        float x = 0.f;
+        if (SUMMARY) x = (!withF && v == d) ? 1.f : 0.f;
+        else if (src != nullptr) x = src[d * D + v];
+        ST[nt][e] = x;
+      }
+  }
+  if (nc > 0) rev_stage_load(smem, a, first + nc - 1, h, col0, withF, tid);
+  cp_async_commit();
+  for (int jj = 0; jj < nc; ++jj) {
+    const int j = nc - 1 - jj;
+    char* st = smem + (jj & 1) * RW_STAGE;
+    if (j > 0) {
+      rev_stage_load(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF, tid);
+      cp_async_commit();
+      cp_async_wait1();
+    } else {
+      cp_async_wait_all();
+    }
+    __syncthreads();
+    const bf16* sW = reinterpret_cast<const bf16*>(st + RW_W);
+    const bf16* sKg = reinterpret_cast<const bf16*>(st + RW_KG);
+    const bf16* sQg = reinterpret_cast<const bf16*>(st + RW_QG);
+    const bf16* sAqh = reinterpret_cast<const bf16*>(st + RW_AQH);
+    const bf16* sAql = reinterpret_cast<const bf16*>(st + RW_AQL);
+    const bf16* sDO = reinterpret_cast<const bf16*>(st + RW_DO);
+    const float* sGam = reinterpret_cast<const float*>(st + RW_GAM);
+    if constexpr (!SUMMARY) {
+      float* dst = a.dh + (static_cast<int64_t>(first + j) * H + h) * D * D;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
+          dst[d * D + v] = ST[nt][e];
+        }
+    }
+    // dV_new^T = dO^T Aqk + dS^T Kg^T
+    float DV[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) DV[nt][e] = 0.f;
+    if (withF) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t ad[4];
+        lda_t<64>(ad, sDO, warp * 16, ks * 16, lane);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          if (np <= ks) {
+            uint32_t bh[4], bl[4];
+            ldb_t<64>(bh, sAqh, ks * 16, np * 16, lane);
+            ldb_t<64>(bl, sAql, ks * 16, np * 16, lane);
+            mma(DV[2 * np], ad, bh[0], bh[1]);
+            mma(DV[2 * np + 1], ad, bh[2], bh[3]);
+            mma(DV[2 * np], ad, bl[0], bl[1]);
+            mma(DV[2 * np + 1], ad, bl[2], bl[3]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t sh[4], sl[4];
+      split2(ST[2 * ks][0], ST[2 * ks][1], sh[0], sl[0]);
+      split2(ST[2 * ks][2], ST[2 * ks][3], sh[1], sl[1]);
+      split2(ST[2 * ks + 1][0], ST[2 * ks + 1][1], sh[2], sl[2]);
+      split2(ST[2 * ks + 1][2], ST[2 * ks + 1][3], sh[3], sl[3]);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t b[4];
+        ldb<128>(b, sKg, ks * 16, np * 16, lane);
+        mma(DV[2 * np], sh, b[0], b[1]);
+        mma(DV[2 * np + 1], sh, b[2], b[3]);
+        mma(DV[2 * np], sl, b[0], b[1]);
+        mma(DV[2 * np + 1], sl, b[2], b[3]);
+      }
+    }
+    // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const float ga0 = sGam[nt * 8 + 2 * l4], ga1 = sGam[nt * 8 + 2 * l4 + 1];
+      ST[nt][0] *= ga0;
+      ST[nt][1] *= ga1;
+      ST[nt][2] *= ga0;
+      ST[nt][3] *= ga1;
+    }
+    if (withF) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t ad[4];
+        lda_t<64>(ad, sDO, warp * 16, ks * 16, lane);
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+          uint32_t b[4];
+          ldb_t<128>(b, sQg, ks * 16, np * 16, lane);
+          mma(ST[2 * np], ad, b[0], b[1]);
+          mma(ST[2 * np + 1], ad, b[2], b[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      uint32_t vh[4], vl[4];
+      split2(DV[2 * ks][0], DV[2 * ks][1], vh[0], vl[0]);
+      split2(DV[2 * ks][2], DV[2 * ks][3], vh[1], vl[1]);
+      split2(DV[2 * ks + 1][0], DV[2 * ks + 1][1], vh[2], vl[2]);
+      split2(DV[2 * ks + 1][2], DV[2 * ks + 1][3], vh[3], vl[3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        vh[e] ^= 0x80008000u;
+        vl[e] ^= 0x80008000u;
+      }
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t b[4];
+        ldb_t<128>(b, sW, ks * 16, np * 16, lane);
+        mma(ST[2 * np], vh, b[0], b[1]);
+        mma(ST[2 * np + 1], vh, b[2], b[3]);
+        mma(ST[2 * np], vl, b[0], b[1]);
+        mma(ST[2 * np + 1], vl, b[2], b[3]);
+      }
+    }
+    __syncthreads();
+  }
+  if constexpr (SUMMARY) {
+    float* dst = (withF ? a.f_out : a.mt_out) + (static_cast<int64_t>(oidx) * H + h) * D * D;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
+        dst[d * D + v] = ST[nt][e];
+      }
+  }
+}
+
+// ================================================================================================
+// chunk gradients
+// ================================================================================================
+// phase A (state products, two halves of the value columns)
+constexpr int A_DO = 0;
+constexpr int A_W = 16384;
+constexpr int A_KG = 32768;
+constexpr int A_AQH = 49152;
+constexpr int A_AQL = 57344;
+constexpr int A_V = 65536;
+constexpr int A_AH = 81920;   // kept through phase B
+constexpr int A_AL = 90112;
+constexpr int A_SH = 98304;   // bf16 sw64 [128][64]
+constexpr int A_SL = 114688;
+constexpr int A_DH = 131072;
+constexpr int A_DL = 147456;
+constexpr int A_VNH = 163840; // bf16 sw64 [64][64]
+constexpr int A_VNL = 172032;
+constexpr int A_DVH = 180224;
+constexpr int A_DVL = 188416;
+// phase B
+constexpr int B_G = 0;        // fp32 [64][128]
+constexpr int B_Q = 32768;
+constexpr int B_K = 49152;
+constexpr int B_SDAH = 65536; // s dAqk, sw64
+constexpr int B_SDAL = 73728;
+constexpr int B_DPH = 98304;  // dP, sw64
+constexpr int B_DPL = 106496;
+constexpr int B_DWH = 114688; // dW, sw128
+constexpr int B_DWL = 131072;
+constexpr int B_XH = 147456;  // K o exp(G), sw128
+constexpr int B_XL = 163840;
+constexpr int B_DAH = 180224; // dA, sw64
+constexpr int B_DAL = 188416;
+constexpr int B_T1H = 196608; // A^T dA, sw64
+constexpr int B_T1L = 204800;
+constexpr int B_CCH = 114688; // Cc sections (160 rows, sw128)
+constexpr int B_CCL = 155648;
+constexpr int B_KRH = 114688; // anchored row operands
+constexpr int B_KRL = 131072;
+constexpr int B_QRH = 147456;
+constexpr int B_QRL = 163840;
+constexpr int B_DG = 114688;  // fp32 [64][128] dG staging
+constexpr int S_BETA = 212992;          // fp32 [64]
+constexpr int S_DGAM = S_BETA + 256;    // fp32 [128]
+constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
+constexpr int S_DB = S_CS + 2048;       // fp32 [8][64]
+constexpr int G_SMEM = S_DB + 2048;
+static_assert(B_CCL + 160 * D * 2 <= B_T1H, "Cc sections overflow");
+static_assert(G_SMEM <= 232448, "grads smem");
+
+__global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
+  extern __shared__ __align__(128) char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int c = blockIdx.x, h = blockIdx.y, H = a.H;
+  const int64_t tok = a.chunks[2 * c];
+  const int nrows = a.chunks[2 * c + 1];
+  const int64_t gs = static_cast<int64_t>(H) * D;
+  const int64_t base = (tok * H + h) * D;
+  const char* rec = a.prep + (static_cast<int64_t>(c) * H + h) * kPrepBytes;
+  const float* gU = reinterpret_cast<const float*>(rec + kRecU);
+  const float* gP = reinterpret_cast<const float*>(rec + kRecP);
+  const float* Sg = a.h + (static_cast<int64_t>(c) * H + h) * D * D;
+  const float* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * D * D;
+
+  auto B16 = [&](int off) { return reinterpret_cast<bf16*>(smem + off); };
+  float* sBeta = reinterpret_cast<float*>(smem + S_BETA);
+  float* sDgam = reinterpret_cast<float*>(smem + S_DGAM);
+  float* sCs = reinterpret_cast<float*>(smem + S_CS);
+  float* sDb = reinterpret_cast<float*>(smem + S_DB);
+
+  const int m0 = 16 * (warp & 3);
+  const int n128 = 64 * (warp >> 2);  // 64x128 outputs: 16 rows x 64 cols per warp
+  const int n64 = 32 * (warp >> 2);   // 64x64 outputs: 16 rows x 32 cols per warp
+
+  // ---- phase A loads ----
+  load_bf16<128, NTH>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, C, nrows, tid);
+  load_bf16<128, NTH>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
+  load_bf16<128, NTH>(B16(A_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
+  load_bf16<128, NTH>(B16(A_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
+  load_bf16<64, NTH>(B16(A_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, C, tid);
+  load_bf16<64, NTH>(B16(A_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, C, tid);
+  load_bf16<64, NTH>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, C, tid);
+  load_bf16<64, NTH>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, C, tid);
+  cp_async_commit();
+  if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
+
+  float dQg[1][8][4], dW[1][8][4], dKg[1][8][4], dAqk[1][4][4], dAU[1][4][4];
+  zero(dQg);
+  zero(dW);
+  zero(dKg);
+  zero(dAqk);
+  zero(dAU);
+  float dgam = 0.f;  // thread's key row d = tid >> 1, half of the value columns
+
+  for (int vh = 0; vh < 2; ++vh) {
+    const int voff = 64 * vh;
+    // S, dS_next halves -> bf16 hi / lo [128][64]; dgamma partial
+    {
+      const int d = tid >> 1, cb = (tid & 1) * 32;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int cc = cb + 4 * i;
+        const float4 s4 = *reinterpret_cast<const float4*>(Sg + d * D + voff + cc);
+        const float4 t4 = *reinterpret_cast<const float4*>(dSg + d * D + voff + cc);
+        dgam = fmaf(s4.x, t4.x, dgam);
+        dgam = fmaf(s4.y, t4.y, dgam);
+        dgam = fmaf(s4.z, t4.z, dgam);
+        dgam = fmaf(s4.w, t4.w, dgam);
+        st2<64>(B16(A_SH), B16(A_SL), d, cc, s4.x, s4.y);
+        st2<64>(B16(A_SH), B16(A_SL), d, cc + 2, s4.z, s4.w);
+        st2<64>(B16(A_DH), B16(A_DL), d, cc, t4.x, t4.y);
+        st2<64>(B16(A_DH), B16(A_DL), d, cc + 2, t4.z, t4.w);
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    {
+      // V_new (half) = U - W S
+      float acc[1][4][4];
+      zero(acc);
+      wgemm<1, 4, 128, false, false, 64, true, true>(acc, B16(A_W), nullptr, m0, 0, B16(A_SH), B16(A_SL), n64, 0, D, lane);
+      epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+        const float2 u = *reinterpret_cast<const float2*>(gU + r * D + voff + cc);
+        st2<64>(B16(A_VNH), B16(A_VNL), r, cc, u.x - x0, u.y - x1);
+      });
+      // dV_new (half) = Aqk^T dO + Kg dS_next
+      zero(acc);
+      wgemm<1, 4, 64, true, true, 128, true, false>(acc, B16(A_AQH), B16(A_AQL), m0, m0, B16(A_DO), nullptr,
+                                                    voff + n64, m0, C - m0, lane);
+      wgemm<1, 4, 128, false, false, 64, true, true>(acc, B16(A_KG), nullptr, m0, 0, B16(A_DH), B16(A_DL), n64, 0, D, lane);
+      epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(A_DVH), B16(A_DVL), r, cc, x0, x1); });
+    }
+    __syncthreads();
+    // products reduced over the value columns of this half
+    wgemm<1, 8, 128, false, false, 64, false, true>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, 8, 64, false, true, 64, false, true>(dW, B16(A_DVH), B16(A_DVL), m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, 8, 64, false, true, 64, false, true>(dKg, B16(A_VNH), B16(A_VNL), m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
+    wgemm<1, 4, 128, false, false, 64, false, true>(dAqk, B16(A_DO), nullptr, m0, voff, B16(A_VNH), B16(A_VNL), n64, 0, 64, lane);
+    wgemm<1, 4, 64, false, true, 128, false, false>(dAU, B16(A_DVH), B16(A_DVL), m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
+    {
+      // dVb (half) = A^T dV_new -> dv = beta dVb; dbeta partial sum(dVb o v)
+      float acc[1][4][4];
+      zero(acc);
+      wgemm<1, 4, 64, true, true, 64, true, true>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(A_DVH), B16(A_DVL), n64, m0,
+                                                  C - m0, lane);
+      float rs[2] = {0.f, 0.f};
+      bf16* dv = static_cast<bf16*>(a.dv);
+      epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+        const float2 vv = ld2<128>(B16(A_V), r, voff + cc);
+        rs[(r - m0) >> 3] += x0 * vv.x + x1 * vv.y;
+        if (r < nrows) {
+          const float b = sBeta[r];
+          *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
+        }
+      });
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+        float s = rs[e2];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if ((lane & 3) == 0) sDb[(vh * 2 + (warp >> 2)) * C + m0 + (lane >> 2) + 8 * e2] = s;
+      }
+    }
+    __syncthreads();
+  }
+  {
+    const float o = __shfl_xor_sync(0xffffffffu, dgam, 1);
+    if ((tid & 1) == 0) sDgam[tid >> 1] = dgam + o;
+  }
+
+  // ---- phase B1: G, q, k; consume dQg, dKg; stage dW, s dAqk, K o exp(G) ----
+  float* sG = reinterpret_cast<float*>(smem + B_G);
+  load_f32<NTH>(sG, D, a.g + base, gs, C, D, nrows, tid);
+  load_bf16<128, NTH>(B16(B_Q), static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
+  load_bf16<128, NTH>(B16(B_K), static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+  cumsum_rows<false>(sG, tid);
+
+  float Rg[1][8][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
+  epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+    const float e0 = fexp(sG[r * D + cc]), e1 = fexp(sG[r * D + cc + 1]);
+    x0 *= a.scale * e0;
+    x1 *= a.scale * e1;
+  });
+  // Rg = dq_partial o q  (dQg o Qg = s dO S^T o q o exp(G))
+  {
+    const int g4 = lane >> 2, l4 = lane & 3;
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        Rg[0][ni][e] = dQg[0][ni][e] * __bfloat162float(B16(B_Q)[sw128(r, cc)]);
+      }
+  }
+  {
+    float cs[8][2];
+    epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+      const float Lg0 = sG[63 * D + cc], Lg1 = sG[63 * D + cc + 1];
+      const float d0 = fexp(Lg0 - sG[r * D + cc]), d1 = fexp(Lg1 - sG[r * D + cc + 1]);
+      x0 *= d0;
+      x1 *= d1;
+    });
+    const int g4 = lane >> 2, l4 = lane & 3;
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+      cs[ni][0] = 0.f;
+      cs[ni][1] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        const float t = dKg[0][ni][e] * __bfloat162float(B16(B_K)[sw128(r, cc)]);  // dKg o Kg
+        Rg[0][ni][e] -= t;
+        cs[ni][e & 1] += t;
+      }
+    }
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        float s = cs[ni][b];
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        s += __shfl_xor_sync(0xffffffffu, s, 8);
+        s += __shfl_xor_sync(0xffffffffu, s, 16);
+        if (g4 == 0) sCs[(warp & 3) * D + n128 + 8 * ni + 2 * l4 + b] = s;
+      }
+  }
+  epi(dW, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) { st2<128>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
+  epi(dAqk, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+    st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
+  });
+  for (int p = tid; p < C * D / 2; p += NTH) {
+    const int r = p >> 6, d = (p & 63) * 2;
+    const float2 kk = ld2<128>(B16(B_K), r, d);
+    st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(sG[r * D + d]), kk.y * fexp(sG[r * D + d + 1]));
+  }
+  __syncthreads();
+
+  // ---- B2: dA = (dV_new v^T + dW Kexp^T) diag(beta); dKb = A^T dW ----
+  wgemm<1, 4, 128, false, true, 128, false, true>(dAU, B16(B_DWH), B16(B_DWL), m0, 0, B16(B_XH), B16(B_XL), n64, 0, D, lane);
+  epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+    st2<64>(B16(B_DAH), B16(B_DAL), r, cc, x0 * sBeta[cc], x1 * sBeta[cc + 1]);
+  });
+  {
+    float acc[1][8][4];
+    zero(acc);
+    wgemm<1, 8, 64, true, true, 128, true, true>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DWH), B16(B_DWL), n128, m0,
+                                                 C - m0, lane);
+    float rs[2] = {0.f, 0.f};
+    const int g4 = lane >> 2, l4 = lane & 3;
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        const float x = acc[0][ni][e];
+        const float eg = fexp(sG[r * D + cc]);
+        const float kx = __bfloat162float(B16(B_K)[sw128(r, cc)]) * eg;  // Kexp
+        const float b = sBeta[r];
+        dKg[0][ni][e] += b * x * eg;
+        Rg[0][ni][e] += b * x * kx;
+        rs[e >> 1] += x * kx;
+      }
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      float s = rs[e2];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if ((lane & 3) == 0) sDb[(4 + (warp >> 2)) * C + m0 + (lane >> 2) + 8 * e2] = s;
+    }
+  }
+  __syncthreads();
+  // ---- B3: T1 = A^T dA; dL = -(T1 A^T) strictly lower; dP = beta dL; dbeta partial sum(dL o P) ----
+  {
+    float acc[1][4][4];
+    zero(acc);
+    wgemm<1, 4, 64, true, true, 64, true, true>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
+                                                C - m0, lane);
+    epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(B_T1H), B16(B_T1L), r, cc, x0, x1); });
+    __syncthreads();
+    zero(acc);
+    wgemm<1, 4, 64, false, true, 64, false, true>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), B16(A_AL), n64, 0, C, lane);
+    float rs[2] = {0.f, 0.f};
+    epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+      const float l0 = cc < r ? -x0 : 0.f, l1 = cc + 1 < r ? -x1 : 0.f;
+      const float2 pp = *reinterpret_cast<const float2*>(gP + r * C + cc);
+      rs[(r - m0) >> 3] += l0 * pp.x + l1 * pp.y;
+      const float b = sBeta[r];
+      st2<64>(B16(B_DPH), B16(B_DPL), r, cc, b * l0, b * l1);
+    });
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      float s = rs[e2];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if ((lane & 3) == 0) sDb[(6 + (warp >> 2)) * C + m0 + (lane >> 2) + 8 * e2] = s;
+    }
+  }
+  // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
+  for (int p = tid; p < 160 * (D / 2); p += NTH) {
+    const int row = p >> 6, d = (p & 63) * 2;
+    const int I = row < 16 ? 0 : row < 48 ? 1 : row < 96 ? 2 : 3;
+    const int j = row - cc_sec(I);
+    const float e0 = fexp(sG[16 * I * D + d] - sG[j * D + d]);
+    const float e1 = fexp(sG[16 * I * D + d + 1] - sG[j * D + d + 1]);
+    const float2 kk = ld2<128>(B16(B_K), j, d);
+    st2<128>(B16(B_CCH), B16(B_CCL), row, d, kk.x * e0, kk.y * e1);
+  }
+  __syncthreads();
+  {
+    const int I = warp & 3;
+    const bf16* cch = B16(B_CCH) + cc_sec(I) * D;
+    const bf16* ccl = B16(B_CCL) + cc_sec(I) * D;
+    float acc[1][8][4];
+    zero(acc);
+    wgemm<1, 8, 64, false, true, 128, true, true>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
+    bf16* dq = static_cast<bf16*>(a.dq);
+    const int g4 = lane >> 2, l4 = lane & 3;
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        const float y = acc[0][ni][e] * fexp(sG[r * D + cc] - sG[16 * I * D + cc]);
+        dQg[0][ni][e] += y;
+        Rg[0][ni][e] += __bfloat162float(B16(B_Q)[sw128(r, cc)]) * y;
+      }
+    epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+      if (r < nrows) *reinterpret_cast<uint32_t*>(dq + base + r * gs + cc) = pack_bf16(x0, x1);
+    });
+    zero(acc);
+    wgemm<1, 8, 64, false, true, 128, true, true>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        const float y = acc[0][ni][e] * fexp(sG[r * D + cc] - sG[16 * I * D + cc]);
+        dKg[0][ni][e] += y;
+        Rg[0][ni][e] += __bfloat162float(B16(B_K)[sw128(r, cc)]) * y;
+      }
+  }
+  __syncthreads();
+  // ---- pairwise columns: col = cols(dP, k) + cols(s dAqk, q) ----
+  for (int p = tid; p < C * D / 2; p += NTH) {
+    const int r = p >> 6, d = (p & 63) * 2;
+    const int ar = r & ~15;
+    const float e0 = fexp(sG[r * D + d] - sG[ar * D + d]), e1 = fexp(sG[r * D + d + 1] - sG[ar * D + d + 1]);
+    const float2 kk = ld2<128>(B16(B_K), r, d), qq = ld2<128>(B16(B_Q), r, d);
+    st2<128>(B16(B_KRH), B16(B_KRL), r, d, kk.x * e0, kk.y * e1);
+    st2<128>(B16(B_QRH), B16(B_QRL), r, d, qq.x * e0, qq.y * e1);
+  }
+  __syncthreads();
+  {
+    const int J = warp & 3;
+    const int g4 = lane >> 2, l4 = lane & 3;
+    for (int I = J; I < 4; ++I) {
+      float part[1][8][4];
+      zero(part);
+      wgemm<1, 8, 64, true, true, 128, true, true>(part, B16(B_DPH), B16(B_DPL), m0, 16 * I, B16(B_KRH), B16(B_KRL), n128,
+                                                   16 * I, 16, lane);
+      wgemm<1, 8, 64, true, true, 128, true, true>(part, B16(B_SDAH), B16(B_SDAL), m0, 16 * I, B16(B_QRH), B16(B_QRL),
+                                                   n128, 16 * I, 16, lane);
+#pragma unroll
+      for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+          const float z = part[0][ni][e] * fexp(sG[16 * I * D + cc] - sG[r * D + cc]);
+          dKg[0][ni][e] += z;
+          Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
+        }
+    }
+    bf16* dk = static_cast<bf16*>(a.dk);
+    epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+      if (r < nrows) *reinterpret_cast<uint32_t*>(dk + base + r * gs + cc) = pack_bf16(x0, x1);
+    });
+  }
+  __syncthreads();
+  // ---- B5: dG -> dg (reverse cumsum), dbeta ----
+  float* sDG = reinterpret_cast<float*>(smem + B_DG);
+  epi(Rg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+    *reinterpret_cast<float2*>(sDG + r * D + cc) = make_float2(x0, x1);
+  });
+  __syncthreads();
+  if (tid < D) {
+    const int d = tid;
+    const float extra = ((sCs[d] + sCs[D + d]) + (sCs[2 * D + d] + sCs[3 * D + d])) + sDgam[d] * fexp(sG[63 * D + d]);
+    sDG[63 * D + d] += extra;
+  }
+  __syncthreads();
+  cumsum_rows<true>(sDG, tid);
+  {
+    const int d = tid & 127, half = tid >> 7;
+    for (int r = 32 * half; r < 32 * half + 32; ++r)
+      if (r < nrows) a.dg[base + r * gs + d] = sDG[r * D + d];
+  }
+  if (tid < C && tid < nrows) {
+    const float* b = sDb;
+    const float s = ((b[0 * C + tid] + b[1 * C + tid]) + (b[2 * C + tid] + b[3 * C + tid])) +
+                    ((b[4 * C + tid] + b[5 * C + tid]) + (b[6 * C + tid] + b[7 * C + tid]));
+    static_cast<bf16*>(a.dbeta)[(tok + tid) * H + h] = __float2bfloat16_rn(s);
+  }
+}
+
+template <class K>
+cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cudaStream_t s) {
+  cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kern<<<grid, threads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_prep(const Args& a, cudaStream_t s) {
+  if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
+  return launch(prep_kernel, dim3(a.nchunks, a.H), NTH, P_SMEM, a, s);
+}
+cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s) {
+  if (a.nruns == 0 || a.H == 0) return cudaSuccess;
+  return launch(fwd_walk_kernel, dim3(a.nruns, a.H, D / WCOLS), WNW * 32, 2 * FW_STAGE, a, s);
+}
+cudaError_t launch_rev_walk(const Args& a, cudaStream_t s) {
+  if (a.nruns == 0 || a.H == 0) return cudaSuccess;
+  return launch(rev_walk_kernel<false>, dim3(a.nruns, a.H, D / WCOLS), WNW * 32, 2 * RW_STAGE, a, s);
+}
+cudaError_t launch_rev_summary(const Args& a, cudaStream_t s) {
+  if (a.nruns == 0 || a.H == 0) return cudaSuccess;
+  return launch(rev_walk_kernel<true>, dim3(a.nruns, a.H, 2 * D / WCOLS), WNW * 32, 2 * RW_STAGE, a, s);
+}
+cudaError_t launch_grads(const Args& a, cudaStream_t s) {
+  if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
+  return launch(grads_kernel, dim3(a.nchunks, a.H), NTH, G_SMEM, a, s);
+}
+
+}  // namespace bwd
+}  // namespace kda

@@ -1,0 +1,64 @@
+// Host launchers of the backward kernels (kda_bwd.cu). All pointers are device pointers; nothing here
+// allocates. Layouts: q, k, v, do, dq, dk, dv [T, H, 128] bf16; g, dg [T, H, 128] fp32; beta, dbeta
+// [T, H] bf16; states and their gradients [n, H, 128, 128] fp32 indexed [.., key, value].
+//
+// Tables (int32): chunks [Nc][2] = (first token, rows); runs [R][4] = (first chunk row, chunk count,
+// state index (row of state_in / dstate_out, -1 = zero), output index (summaries)).
+//
+// The prep workspace holds one record of kPrepBytes per (chunk row, head), record index c * H + h.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace kda {
+namespace bwd {
+
+// ---- one prep record (bytes) ----
+constexpr int kRecW = 0;          // bf16 [64][128]  W = A diag(beta) (K o exp G)
+constexpr int kRecKg = 16384;     // bf16 [64][128]  Kg = K o exp(G_last - G)
+constexpr int kRecQg = 32768;     // bf16 [64][128]  s Q o exp(G)
+constexpr int kRecAqkH = 49152;   // bf16 [64][64]   Aqk (scaled, causal) hi
+constexpr int kRecAqkL = 57344;   // bf16 [64][64]   Aqk lo
+constexpr int kRecAH = 65536;     // bf16 [64][64]   A = (I + L)^-1 hi
+constexpr int kRecAL = 73728;     // bf16 [64][64]   A lo
+constexpr int kRecU = 81920;      // fp32 [64][128]  U = A diag(beta) V
+constexpr int kRecP = 114688;     // fp32 [64][64]   P (strictly lower part)
+constexpr int kRecGam = 131072;   // fp32 [128]      gamma = exp(G_last)
+constexpr int kPrepBytes = 131584;
+
+struct Args {
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* g;
+  const void* beta;
+  const void* dout;
+  const int32_t* chunks;
+  int nchunks;
+  const int32_t* runs;
+  int nruns;
+  int H;
+  float scale;
+  char* prep;               // [Nc * H * kPrepBytes]
+  float* h;                 // [Nc, H, K, V] state entering each chunk
+  float* dh;                // [Nc, H, K, V] gradient of the state leaving each chunk
+  const float* state_in;    // [*, H, K, V] or null
+  const float* dstate_out;  // [*, H, K, V] or null
+  float* mt_out;            // summaries: [n, H, K, K]
+  float* f_out;             // summaries: [n, H, K, V]
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dg;
+  void* dbeta;
+};
+
+cudaError_t launch_prep(const Args& a, cudaStream_t s);
+cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s);   // writes h
+cudaError_t launch_rev_walk(const Args& a, cudaStream_t s);   // writes dh
+cudaError_t launch_rev_summary(const Args& a, cudaStream_t s);  // writes mt_out, f_out
+cudaError_t launch_grads(const Args& a, cudaStream_t s);
+
+}  // namespace bwd
+}  // namespace kda

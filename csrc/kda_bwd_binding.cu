@@ -1,0 +1,214 @@
+// TVM-FFI entry points of the backward kernels (kda_bwd.cu). Checks first (they raise Python
+// exceptions), then the launch on the caller's current stream. Nothing is allocated here: Python hands
+// in every buffer (the prep workspace, h, dh and the gradients).
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include "kda_bwd.h"
+
+namespace {
+
+using tvm::ffi::TensorView;
+namespace B = kda::bwd;
+
+constexpr int kD = 128;
+
+bool is_dtype(const TensorView& t, int code, int bits) {
+  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
+}
+
+void check_cuda(const TensorView& t, const char* name, int dev) {
+  TVM_FFI_CHECK(t.device().device_type == kDLCUDA, ValueError) << name << " must be a CUDA tensor";
+  TVM_FFI_CHECK(t.device().device_id == dev, ValueError) << name << " is on another device";
+  TVM_FFI_CHECK(t.IsContiguous(), ValueError) << name << " must be contiguous";
+}
+
+void check_tok(const TensorView& t, const char* name, int64_t T, int64_t H, int code, int bits, int dev) {
+  check_cuda(t, name, dev);
+  TVM_FFI_CHECK(is_dtype(t, code, bits), TypeError) << name << " has the wrong dtype";
+  TVM_FFI_CHECK(t.ndim() == 3 && t.size(0) == T && t.size(1) == H && t.size(2) == kD, ValueError)
+      << name << " must be [T, H, 128]";
+}
+
+void check_beta(const TensorView& t, const char* name, int64_t T, int64_t H, int dev) {
+  check_cuda(t, name, dev);
+  TVM_FFI_CHECK(is_dtype(t, kDLBfloat, 16), TypeError) << name << " must be bfloat16";
+  TVM_FFI_CHECK(t.ndim() == 2 && t.size(0) == T && t.size(1) == H, ValueError) << name << " must be [T, H]";
+}
+
+void check_state(const TensorView& s, const char* name, int64_t n, int64_t H, int dev) {
+  check_cuda(s, name, dev);
+  TVM_FFI_CHECK(is_dtype(s, kDLFloat, 32), TypeError) << name << " must be float32";
+  TVM_FFI_CHECK(s.ndim() == 4 && (n < 0 || s.size(0) == n) && s.size(1) == H && s.size(2) == kD && s.size(3) == kD,
+                ValueError)
+      << name << " must be [n, H, 128, 128]";
+}
+
+void check_table(const TensorView& t, const char* name, int cols, int dev) {
+  check_cuda(t, name, dev);
+  TVM_FFI_CHECK(t.ndim() == 2 && t.size(1) == cols && is_dtype(t, kDLInt, 32), ValueError)
+      << name << " must be int32 [n, " << cols << "]";
+}
+
+void check_prep(const TensorView& p, int64_t nchunks, int64_t H, int dev) {
+  check_cuda(p, "prep workspace", dev);
+  TVM_FFI_CHECK(is_dtype(p, kDLUInt, 8) && p.ndim() == 1, TypeError) << "prep workspace must be uint8 [n]";
+  TVM_FFI_CHECK(p.size(0) >= nchunks * H * static_cast<int64_t>(B::kPrepBytes), ValueError)
+      << "prep workspace too small: need " << nchunks * H * static_cast<int64_t>(B::kPrepBytes) << " bytes";
+}
+
+cudaStream_t stream_of(const TensorView& t) {
+  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, t.device().device_id));
+}
+
+void raise_on(cudaError_t err, const char* what) {
+  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << what << ": " << cudaGetErrorString(err);
+}
+
+B::Args base_args(const TensorView& chunks, const TensorView& runs, int64_t H, TensorView prep) {
+  B::Args a{};
+  a.chunks = static_cast<const int32_t*>(chunks.data_ptr());
+  a.nchunks = static_cast<int>(chunks.size(0));
+  a.runs = static_cast<const int32_t*>(runs.data_ptr());
+  a.nruns = static_cast<int>(runs.size(0));
+  a.H = static_cast<int>(H);
+  a.prep = static_cast<char*>(prep.data_ptr());
+  return a;
+}
+
+// prep records of every chunk in `chunks` (rows (first token, rows)).
+void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView chunks,
+              TensorView prep, double scale) {
+  const int dev = q.device().device_id;
+  TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
+  const int64_t T = q.size(0), H = q.size(1);
+  TVM_FFI_CHECK(H >= 1 && H <= 65535, ValueError) << "H must be in [1, 65535]";
+  check_tok(q, "q", T, H, kDLBfloat, 16, dev);
+  check_tok(k, "k", T, H, kDLBfloat, 16, dev);
+  check_tok(v, "v", T, H, kDLBfloat, 16, dev);
+  check_tok(g, "g", T, H, kDLFloat, 32, dev);
+  check_beta(beta, "beta", T, H, dev);
+  check_table(chunks, "chunk table", 2, dev);
+  check_prep(prep, chunks.size(0), H, dev);
+  B::Args a = base_args(chunks, chunks, H, prep);
+  a.nruns = 0;
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.g = static_cast<const float*>(g.data_ptr());
+  a.beta = beta.data_ptr();
+  a.scale = static_cast<float>(scale);
+  raise_on(B::launch_prep(a, stream_of(q)), "kda bwd_prep launch");
+}
+
+// h[c] = state entering chunk c of every run (runs rows (first chunk, count, state index, -)).
+void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView h) {
+  const int dev = prep.device().device_id;
+  check_table(chunks, "chunk table", 2, dev);
+  check_table(runs, "run table", 4, dev);
+  TVM_FFI_CHECK(h.ndim() == 4, ValueError) << "h must be [Nc, H, 128, 128]";
+  const int64_t H = h.size(1);
+  check_state(h, "h", chunks.size(0), H, dev);
+  check_prep(prep, chunks.size(0), H, dev);
+  B::Args a = base_args(chunks, runs, H, prep);
+  a.h = static_cast<float*>(h.data_ptr());
+  if (state_in.numel() > 0) {
+    check_state(state_in, "state_in", -1, H, dev);
+    a.state_in = static_cast<const float*>(state_in.data_ptr());
+  }
+  raise_on(B::launch_fwd_walk(a, stream_of(h)), "kda bwd_fwd_walk launch");
+}
+
+// dh[c] = gradient of the state leaving chunk c, walking every run from its end (dstate_out or zero).
+void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
+                  TensorView dh) {
+  const int dev = prep.device().device_id;
+  check_table(chunks, "chunk table", 2, dev);
+  check_table(runs, "run table", 4, dev);
+  TVM_FFI_CHECK(dh.ndim() == 4, ValueError) << "dh must be [Nc, H, 128, 128]";
+  const int64_t H = dh.size(1);
+  check_state(dh, "dh", chunks.size(0), H, dev);
+  check_prep(prep, chunks.size(0), H, dev);
+  TVM_FFI_CHECK(dout.ndim() == 3, ValueError) << "do must be [T, H, 128]";
+  check_tok(dout, "do", dout.size(0), H, kDLBfloat, 16, dev);
+  B::Args a = base_args(chunks, runs, H, prep);
+  a.dout = dout.data_ptr();
+  a.dh = static_cast<float*>(dh.data_ptr());
+  if (dstate_out.numel() > 0) {
+    check_state(dstate_out, "dstate_out", -1, H, dev);
+    a.dstate_out = static_cast<const float*>(dstate_out.data_ptr());
+  }
+  raise_on(B::launch_rev_walk(a, stream_of(dh)), "kda bwd_rev_walk launch");
+}
+
+// Backward summaries of runs (rows (first chunk, count, -, out index)) from a zero dS:
+// dS_in = Mt dS_out + F.
+void bwd_rev_summary(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView mt,
+                     TensorView f) {
+  const int dev = prep.device().device_id;
+  check_table(chunks, "chunk table", 2, dev);
+  check_table(runs, "run table", 4, dev);
+  TVM_FFI_CHECK(mt.ndim() == 4, ValueError) << "Mt must be [n, H, 128, 128]";
+  const int64_t H = mt.size(1);
+  check_state(mt, "Mt", -1, H, dev);
+  check_state(f, "F", mt.size(0), H, dev);
+  check_prep(prep, chunks.size(0), H, dev);
+  TVM_FFI_CHECK(dout.ndim() == 3, ValueError) << "do must be [T, H, 128]";
+  check_tok(dout, "do", dout.size(0), H, kDLBfloat, 16, dev);
+  B::Args a = base_args(chunks, runs, H, prep);
+  a.dout = dout.data_ptr();
+  a.mt_out = static_cast<float*>(mt.data_ptr());
+  a.f_out = static_cast<float*>(f.data_ptr());
+  raise_on(B::launch_rev_summary(a, stream_of(mt)), "kda bwd_rev_summary launch");
+}
+
+// Per-chunk gradients from the prep records, h and dh.
+void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView dout,
+               TensorView chunks, TensorView prep, TensorView h, TensorView dh, TensorView dq, TensorView dk,
+               TensorView dv, TensorView dg, TensorView dbeta, double scale) {
+  const int dev = q.device().device_id;
+  TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
+  const int64_t T = q.size(0), H = q.size(1);
+  check_tok(q, "q", T, H, kDLBfloat, 16, dev);
+  check_tok(k, "k", T, H, kDLBfloat, 16, dev);
+  check_tok(v, "v", T, H, kDLBfloat, 16, dev);
+  check_tok(g, "g", T, H, kDLFloat, 32, dev);
+  check_beta(beta, "beta", T, H, dev);
+  check_tok(dout, "do", T, H, kDLBfloat, 16, dev);
+  check_tok(dq, "dq", T, H, kDLBfloat, 16, dev);
+  check_tok(dk, "dk", T, H, kDLBfloat, 16, dev);
+  check_tok(dv, "dv", T, H, kDLBfloat, 16, dev);
+  check_tok(dg, "dg", T, H, kDLFloat, 32, dev);
+  check_beta(dbeta, "dbeta", T, H, dev);
+  check_table(chunks, "chunk table", 2, dev);
+  check_state(h, "h", chunks.size(0), H, dev);
+  check_state(dh, "dh", chunks.size(0), H, dev);
+  check_prep(prep, chunks.size(0), H, dev);
+  B::Args a = base_args(chunks, chunks, H, prep);
+  a.nruns = 0;
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.v = v.data_ptr();
+  a.g = static_cast<const float*>(g.data_ptr());
+  a.beta = beta.data_ptr();
+  a.dout = dout.data_ptr();
+  a.h = static_cast<float*>(h.data_ptr());
+  a.dh = static_cast<float*>(dh.data_ptr());
+  a.dq = dq.data_ptr();
+  a.dk = dk.data_ptr();
+  a.dv = dv.data_ptr();
+  a.dg = static_cast<float*>(dg.data_ptr());
+  a.dbeta = dbeta.data_ptr();
+  a.scale = static_cast<float>(scale);
+  raise_on(B::launch_grads(a, stream_of(q)), "kda bwd_grads launch");
+}
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_prep, bwd_prep);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_fwd_walk, bwd_fwd_walk);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_rev_walk, bwd_rev_walk);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_rev_summary, bwd_rev_summary);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_grads, bwd_grads);

@@ -1,0 +1,296 @@
+"""CUDA backward of the chunked KDA (csrc/kda_bwd.cu): the two backward operations of a KCP call.
+
+    bwd_grads      dq, dk, dv, dg, dbeta of every run from its incoming state and outgoing state gradient
+    bwd_summaries  (M^T, F) of listed runs from a zero state gradient: dS_in = Mt dS_out + F
+
+Stages (v1, staged; NOTES_BWD.md): a prep kernel per (chunk, head) writes one 128.5 KiB record
+(W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma); a forward walk per
+(run, head, 64 value columns) writes h (the state entering each chunk, fp32); a reverse walk writes dh
+(the gradient of the state leaving each chunk, fp32) or the summaries; a gradient kernel per
+(chunk, head) finishes. Nothing is reduced with atomics: both packages run the same kernels and the
+result is bitwise repeatable; ``deterministic`` is accepted for either value.
+
+Tensors: q, k, v, do bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
+indexed [run, head, key, value].
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["bwd_grads", "bwd_summaries", "workspace_bytes", "saved_bytes", "PREP_BYTES", "build", "load"]
+
+_D = 128
+PREP_BYTES = 131584  # one prep record per (chunk, head); kda_bwd.h kPrepBytes
+STATE_BYTES = _D * _D * 4
+
+# the program, as build.json should list it (the lead adds it there; until then this spec builds it)
+PROGRAM = {
+    "name": "kda_bwd",
+    "package": "common",
+    "sources": ["csrc/kda_bwd.cu", "csrc/kda_bwd_binding.cu"],
+    "headers": ["csrc/kda_common.cuh", "csrc/kda_bwd.h"],
+    "flags": ["-lineinfo"],
+}
+
+_LOCK = threading.Lock()
+_LOADED: dict[str, object] = {}
+
+
+def _in_manifest() -> bool:
+    from .. import jit
+
+    try:
+        return any(p["name"] == PROGRAM["name"] for p in jit.manifest()["programs"])
+    except jit.KernelBuildError:
+        return False
+
+
+def _key(arch: str) -> str:
+    from .. import jit
+
+    root = jit._source_root()
+    h = hashlib.sha256()
+    for rel in sorted(set(PROGRAM["sources"]) | set(PROGRAM["headers"])):
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
+    h.update(json.dumps(PROGRAM["flags"], sort_keys=True).encode())
+    h.update(arch.encode())
+    try:
+        import tvm_ffi
+
+        h.update(getattr(tvm_ffi, "__version__", "?").encode())
+    except ImportError:
+        pass
+    return h.hexdigest()[:20]
+
+
+def build(arch: str, out_dir) -> Path:
+    """Compile kda_bwd for ``arch`` into ``out_dir/kda_bwd.so`` (no GPU needed), the way jit.build_program
+    builds the programs of build.json."""
+    from .. import jit
+
+    out_dir = Path(out_dir)
+    jit._check_arch(arch)
+    nvcc = jit._find_nvcc()
+    if nvcc is None:
+        raise jit.KernelBuildError(
+            "no nvcc found to build the kda_kcp CUDA kernels (no prebuilt .so for this GPU). "
+            "Install the CUDA compiler with `pip install kda-kcp[jit]`, or set CUDA_HOME."
+        )
+    import tvm_ffi.cpp
+
+    root = jit._source_root()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    flags = ["-O3", "-std=c++17", *PROGRAM["flags"]]
+    old = {v: os.environ.get(v) for v in ("CUDA_HOME", "TVM_FFI_CUDA_ARCH_LIST")}
+    home = Path(nvcc).parent.parent
+    os.environ["CUDA_HOME"] = str(home)
+    os.environ["TVM_FFI_CUDA_ARCH_LIST"] = jit._arch_list_value(arch)
+    ldflags = [f"-L{home / d}" for d in ("lib64", "lib", "targets/x86_64-linux/lib") if (home / d).is_dir()]
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".kda_bwd-build-") as tmp:
+            lib = tvm_ffi.cpp.build(
+                PROGRAM["name"],
+                sources=[str(root / s) for s in PROGRAM["sources"]],
+                extra_cuda_cflags=flags,
+                extra_include_paths=[str(root / "csrc")],
+                extra_ldflags=ldflags,
+                build_directory=tmp,
+            )
+            final = out_dir / "kda_bwd.so"
+            shutil.copyfile(lib, out_dir / ".kda_bwd.so.tmp")
+            os.replace(out_dir / ".kda_bwd.so.tmp", final)
+    finally:
+        for var, val in old.items():
+            if val is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = val
+    return final
+
+
+def _path(arch: str) -> Path:
+    from .. import jit
+
+    prebuilt = jit._PKG / "prebuilt" / arch / "kda_bwd.so"
+    if prebuilt.exists() and os.environ.get("KDA_KCP_FORCE_JIT", "") != "1":
+        return prebuilt
+    key = _key(arch)
+    root = jit.cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"kda_bwd-{arch}-{key}"
+    so = target / "kda_bwd.so"
+    if so.exists():
+        return so
+    with open(root / f"kda_bwd-{arch}-{key}.lock", "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        try:
+            if not so.exists():
+                build(arch, target)
+        finally:
+            fcntl.flock(lockf, fcntl.LOCK_UN)
+    return so
+
+
+def load(device=None):
+    """The tvm_ffi module of kda_bwd for the arch of ``device`` (cached per process)."""
+    from .. import jit
+
+    if _in_manifest():
+        return jit.load_program(PROGRAM["name"], device)
+    arch = jit.arch_of_device(device)
+    with _LOCK:
+        if arch not in _LOADED:
+            import tvm_ffi
+
+            _LOADED[arch] = tvm_ffi.load_module(str(_path(arch)))
+        return _LOADED[arch]
+
+
+# ---------------------------------------------------------------------------------------------------
+# tables
+# ---------------------------------------------------------------------------------------------------
+def _tables(plan, device):
+    """(chunks int32 [Nc, 2], runs int32 [R, 4]) for the whole plan, cached on it."""
+    key = ("cuda_bwd_tables", str(torch.device(device)))
+    cache = plan._tables
+    if key not in cache:
+        t = plan.device_tables(device)
+        chunks = torch.stack([t["chunk_start"], t["chunk_len"]], 1).contiguous()
+        ptr = t["run_chunk_ptr"]
+        R = plan.num_runs
+        idx = torch.arange(R, dtype=torch.int32, device=ptr.device)
+        runs = torch.stack([ptr[:-1], ptr[1:] - ptr[:-1], idx, idx], 1).contiguous()
+        cache[key] = (chunks, runs)
+    return cache[key]
+
+
+def _summary_tables(plan, run_ids, device):
+    key = ("cuda_bwd_summary_tables", tuple(run_ids), str(torch.device(device)))
+    cache = plan._tables
+    if key not in cache:
+        C = plan.chunk_size
+        chunks, runs = [], []
+        for i, r in enumerate(run_ids):
+            run = plan.runs[r]
+            n = -(-run.length // C)
+            runs.append((len(chunks), n, -1, i))
+            for j in range(n):
+                s = run.local_start + j * C
+                chunks.append((s, min(C, run.length - j * C)))
+        ct = torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2).to(device)
+        rt = torch.tensor(runs, dtype=torch.int32).reshape(-1, 4).to(device)
+        cache[key] = (ct, rt)
+    return cache[key]
+
+
+def workspace_bytes(num_chunks: int, num_heads: int) -> int:
+    """Bytes bwd_grads allocates besides its outputs: prep records + h + dh."""
+    return num_chunks * num_heads * (PREP_BYTES + 2 * STATE_BYTES)
+
+
+def saved_bytes(num_chunks: int, num_heads: int) -> int:
+    """Bytes the CUDA backward needs saved from the forward: none beyond the inputs (it recomputes)."""
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------------------------------
+def _check(q, k, v, g, beta, do):
+    for name, t, dt in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
+                        ("g", g, torch.float32), ("beta", beta, torch.bfloat16), ("do", do, torch.bfloat16)):
+        if t.dtype != dt:
+            raise TypeError(f"CUDA backward: {name} must be {dt}, got {t.dtype}")
+        if not t.is_cuda:
+            raise ValueError(f"CUDA backward: {name} must be on a CUDA device")
+    if q.dim() != 3 or q.shape[-1] != _D or v.shape[-1] != _D:
+        raise ValueError(f"CUDA backward: head dim must be {_D}, got q {tuple(q.shape)}, v {tuple(v.shape)}")
+    T, H, _ = q.shape
+    for name, t in (("k", k), ("v", v), ("g", g), ("do", do)):
+        if tuple(t.shape) != (T, H, _D):
+            raise ValueError(f"CUDA backward: {name} must be [{T}, {H}, {_D}], got {tuple(t.shape)}")
+    if tuple(beta.shape) != (T, H):
+        raise ValueError(f"CUDA backward: beta must be [{T}, {H}], got {tuple(beta.shape)}")
+
+
+def _c(x):
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _state(x, n, H, dev, name):
+    if x is None:
+        return torch.empty(0, dtype=torch.float32, device=dev)
+    x = x.to(device=dev, dtype=torch.float32).contiguous()
+    if tuple(x.shape) != (n, H, _D, _D):
+        raise ValueError(f"{name} must be [{n}, {H}, {_D}, {_D}], got {tuple(x.shape)}")
+    return x
+
+
+def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, deterministic=True):
+    """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan``."""
+    _check(q, k, v, g, beta, do)
+    q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
+    dev = q.device
+    T, H, _ = q.shape
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dg = torch.empty_like(g)
+    dbeta = torch.empty_like(beta)
+    if T == 0 or plan.num_runs == 0:
+        return dq, dk, dv, dg, dbeta
+    mod = load(dev)
+    chunks, runs = _tables(plan, dev)
+    nc = chunks.shape[0]
+    R = plan.num_runs
+    sin = _state(state_in, R, H, dev, "state_in")
+    dso = _state(dstate_out, R, H, dev, "dstate_out")
+    prep = torch.empty(nc * H * PREP_BYTES, dtype=torch.uint8, device=dev)
+    h = torch.empty(nc, H, _D, _D, dtype=torch.float32, device=dev)
+    dh = torch.empty_like(h)
+    mod.bwd_prep(q, k, v, g, beta, chunks, prep, float(scale))
+    mod.bwd_fwd_walk(prep, chunks, runs, sin, h)
+    mod.bwd_rev_walk(do, prep, chunks, runs, dso, dh)
+    mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, float(scale))
+    return dq, dk, dv, dg, dbeta
+
+
+def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids):
+    """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F."""
+    _check(q, k, v, g, beta, do)
+    q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
+    dev = q.device
+    H = q.shape[1]
+    run_ids = tuple(int(r) for r in run_ids)
+    Mt = torch.empty(len(run_ids), H, _D, _D, dtype=torch.float32, device=dev)
+    F = torch.empty_like(Mt)
+    if not run_ids:
+        return Mt, F
+    mod = load(dev)
+    chunks, runs = _summary_tables(plan, run_ids, dev)
+    prep = torch.empty(chunks.shape[0] * H * PREP_BYTES, dtype=torch.uint8, device=dev)
+    mod.bwd_prep(q, k, v, g, beta, chunks, prep, float(scale))
+    mod.bwd_rev_summary(do, prep, chunks, runs, Mt, F)
+    return Mt, F
+
+
+if __name__ == "__main__":  # python -m kda_kcp.cuda.backward --build sm_90a [sm_100a ...] --out DIR
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", nargs="+", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    for arch in args.build:
+        print(build(arch, Path(args.out) / arch))

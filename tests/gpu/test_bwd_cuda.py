@@ -1,0 +1,245 @@
+"""GPU tests of the CUDA backward (kda_kcp.cuda.backward). Each skips, with its reason, without an sm_90+ GPU.
+
+Inputs are drawn fresh each run (seed printed), never zeros; every gradient buffer is poisoned with NaN
+before each call (through the caching allocator), so an unwritten element shows as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from kda_kcp.plan import LocalPlan, build_plan
+from kda_kcp.reference import naive_kda
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU: the CUDA backward tests need one", allow_module_level=True)
+if torch.cuda.get_device_capability() not in ((9, 0), (10, 0), (10, 3)):
+    pytest.skip(
+        f"{torch.cuda.get_device_name()} is sm_{''.join(map(str, torch.cuda.get_device_capability()))}: "
+        "the kernels are built for sm_90a / sm_100a / sm_103a",
+        allow_module_level=True,
+    )
+
+from kda_kcp.cuda import backward as cb  # noqa: E402
+from kda_kcp.torch_backend import TorchBackend  # noqa: E402
+
+DEV = torch.device("cuda")
+SEED = int(os.environ.get("KDA_TEST_SEED", str(int(time.time() * 1000) % 2**31)))
+print(f"[test_bwd_cuda] seed {SEED}")
+SCALE = 128**-0.5
+TOL = {"dq": 6e-3, "dk": 6e-3, "dv": 6e-3, "dg": 1e-2, "dbeta": 1e-2}
+NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(T, H, gen, gate="mixed"):
+    q = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
+    v = torch.randn(T, H, 128, generator=gen).bfloat16()
+    if gate == "mixed":  # -5 sigmoid(x), slow channels, and one token of the extreme gate
+        g = -5 * torch.sigmoid(torch.randn(T, H, 128, generator=gen) * 2 - 1)
+        slow = torch.rand(1, H, 128, generator=gen) < 0.25
+        g = torch.where(slow, -0.02 * torch.rand(T, H, 128, generator=gen), g)
+    else:
+        g = -5 * torch.rand(T, H, 128, generator=gen)
+    g = g.clamp(-5.0, -1e-6)
+    if T > 3:
+        g[T // 3] = -5.0
+    beta = (0.05 + 0.9 * torch.rand(T, H, generator=gen)).bfloat16()
+    do = torch.randn(T, H, 128, generator=gen).bfloat16()
+    return [x.to(DEV) for x in (q, k, v, g.float(), beta)], do.to(DEV)
+
+
+def local_plan(cu):
+    T = cu[-1]
+    kp = build_plan(cu, [[(0, T)]])
+    return LocalPlan(T, kp.rank_runs[0])
+
+
+def random_docs(total, gen, lo=1, hi=5000):
+    lens = [1, 63, 64, 65]
+    while sum(lens) < total:
+        lens.append(int(torch.randint(lo, hi + 1, (1,), generator=gen)))
+    lens.insert(2, 0)  # a zero-length document
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def poison_like(*tensors):
+    """Fill the caching allocator's next blocks of these sizes with NaN, so an unwritten gradient shows."""
+    bufs = [torch.full_like(t, float("nan")) for t in tensors]
+    del bufs
+
+
+def run_bwd(inputs, do, plan, state_in=None, dstate_out=None, deterministic=True):
+    q, _, _, g, beta = inputs
+    poison_like(q, q, q, g, beta)
+    return cb.bwd_grads(*inputs, do, SCALE, plan, state_in, dstate_out, deterministic)
+
+
+def oracle_grads(inputs, do, cu):
+    leaves = [x.detach().double().requires_grad_() for x in inputs]
+    o = naive_kda(*leaves, cu, scale=SCALE)
+    o.backward(do.double())
+    return [x.grad for x in leaves]
+
+
+def test_stages_match_torch_stages():
+    """Diagnostics stage by stage against the torch backend's stages (FP32): the prep record (W, U, Aqk, A,
+    P, Kg, s Qg, gamma), h from the forward walk and dh from the reverse walk."""
+    from kda_kcp.chunk import _masks, _prep_slab
+    from kda_kcp.torch_backend import _chunk_set
+    from kda_kcp.walk import reverse_walk, state_walk
+
+    gen = torch.Generator().manual_seed(SEED + 3)
+    cu = [0, 100, 1100, 1101, 1800]
+    T, H = cu[-1], 2
+    inputs, do = make_inputs(T, H, gen)
+    plan = local_plan(cu)
+    mod = cb.load(DEV)
+    chunks, runs = cb._tables(plan, DEV)
+    nc = chunks.shape[0]
+    prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8, device=DEV)
+    h = torch.full((nc, H, 128, 128), float("nan"), device=DEV)
+    dh = torch.full_like(h, float("nan"))
+    e0 = torch.empty(0, device=DEV)
+    mod.bwd_prep(*inputs, chunks, prep, SCALE)
+    mod.bwd_fwd_walk(prep, chunks, runs, e0, h)
+    mod.bwd_rev_walk(do, prep, chunks, runs, e0, dh)
+    torch.cuda.synchronize()
+    rec = prep.view(nc, H, cb.PREP_BYTES)
+
+    def field(off, nbytes, dtype, shape):
+        return rec[:, :, off : off + nbytes].contiguous().view(dtype).reshape(nc, H, *shape).float()
+
+    mine = {
+        "W": field(0, 16384, torch.bfloat16, (64, 128)),
+        "Kg": field(16384, 16384, torch.bfloat16, (64, 128)),
+        "sQg": field(32768, 16384, torch.bfloat16, (64, 128)),
+        "Aqk": field(49152, 8192, torch.bfloat16, (64, 64)) + field(57344, 8192, torch.bfloat16, (64, 64)),
+        "A": field(65536, 8192, torch.bfloat16, (64, 64)) + field(73728, 8192, torch.bfloat16, (64, 64)),
+        "U": field(81920, 32768, torch.float32, (64, 128)),
+        "P": field(114688, 16384, torch.float32, (64, 64)),
+        "gamma": field(131072, 512, torch.float32, (128,)),
+    }
+    cs = _chunk_set(plan, range(plan.num_runs), DEV)
+    qc, kc, vc, gc = (cs.gather(x, torch.float32) for x in inputs[:4])
+    bc = cs.gather(inputs[4].unsqueeze(-1), torch.float32).squeeze(-1)
+    incl, strict = _masks(64, DEV)
+    G, pw, P, A, Kexp, W, U, Aqk, Qg, Kg, gamma = _prep_slab(qc, kc, vc, gc, bc, SCALE, incl, strict)
+    ref = {"W": W, "Kg": Kg, "sQg": SCALE * Qg, "Aqk": Aqk, "A": A, "U": U, "P": P * strict, "gamma": gamma}
+    bad = []
+    for name in mine:
+        e = rel(mine[name], ref[name])
+        print(f"stage prep {name}: rel vs torch-fp32 {e:.3e}")
+        if not (e <= 1e-2):
+            bad.append(name)
+    from kda_kcp.chunk import Prep
+
+    pr = Prep(W, U, Aqk, Qg, Kg, gamma)
+    doc = cs.gather(do, torch.float32)
+    h_ref, _, _ = state_walk(pr, cs.steps, None)
+    dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, None)
+    for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref)):
+        e = rel(x, r)
+        print(f"stage walk {name}: rel vs torch-fp32 {e:.3e}")
+        if not (e <= 1e-2):
+            bad.append(name)
+    assert not bad, f"stages off: {bad}"
+
+
+@pytest.mark.parametrize("H,total", [(1, 12000), (4, 12000), (16, 8000), (64, 3000)])
+def test_grads_match_fp64_oracle(H, total):
+    gen = torch.Generator().manual_seed(SEED + H)
+    cu = random_docs(total, gen)
+    inputs, do = make_inputs(cu[-1], H, gen, gate="mixed" if H != 4 else "uniform")
+    plan = local_plan(cu)
+    ours = run_bwd(inputs, do, plan)
+    torch.cuda.synchronize()
+    ref = oracle_grads(inputs, do, cu)
+    tb = TorchBackend().bwd_grads(*inputs, do, SCALE, plan)
+    errs = {}
+    for name, x, r, t in zip(NAMES, ours, ref, tb):
+        assert torch.isfinite(x.float()).all(), f"{name}: unwritten or non-finite elements"
+        errs[name] = rel(x, r)
+        print(f"H={H} T={cu[-1]} {name}: ours vs FP64 {errs[name]:.3e}   torch-fp32 vs FP64 {rel(t, r):.3e}   "
+              f"ours vs torch {rel(x, t):.3e}")
+    for name in NAMES:
+        assert errs[name] <= TOL[name], f"{name} rel-RMS {errs[name]:.3e} > {TOL[name]}"
+
+
+def test_benchmark_slice():
+    """Slices of the benchmark batch's documents (first 2048 tokens of each of the 4), H = 4."""
+    gen = torch.Generator().manual_seed(SEED + 7)
+    cu = [0, 2048, 4096, 6144, 8192]
+    inputs, do = make_inputs(8192, 4, gen)
+    plan = local_plan(cu)
+    ours = run_bwd(inputs, do, plan)
+    ref = oracle_grads(inputs, do, cu)
+    for name, x, r in zip(NAMES, ours, ref):
+        e = rel(x, r)
+        print(f"benchmark slice {name} rel-RMS vs FP64 = {e:.3e}")
+        assert e <= TOL[name]
+
+
+def test_state_in_and_dstate_out_match_torch_backend():
+    """Runs that do not start / end their document (KCP pieces): incoming states and outgoing gradients."""
+    gen = torch.Generator().manual_seed(SEED + 13)
+    cu = [0, 700, 2000, 2001, 4100]
+    T, H = cu[-1], 4
+    inputs, do = make_inputs(T, H, gen)
+    kp = build_plan(cu, [[(0, 1500)], [(1500, T)]])
+    plan = LocalPlan(T - 1500, kp.rank_runs[1])
+    sl = [x[1500:].contiguous() for x in inputs]
+    dsl = do[1500:].contiguous()
+    R = plan.num_runs
+    sin = 0.1 * torch.randn(R, H, 128, 128, generator=gen).to(DEV)
+    dso = 0.1 * torch.randn(R, H, 128, 128, generator=gen).to(DEV)
+    ours = run_bwd(sl, dsl, plan, sin, dso)
+    ref = TorchBackend().bwd_grads(*sl, dsl, SCALE, plan, sin, dso)
+    for name, x, r in zip(NAMES, ours, ref):
+        assert torch.isfinite(x.float()).all(), name
+        e = rel(x, r)
+        print(f"state_in/dstate_out {name}: ours vs torch-fp32 {e:.3e}")
+        assert e <= TOL[name]
+
+
+def test_summaries_match_torch_backend():
+    gen = torch.Generator().manual_seed(SEED + 17)
+    cu = [0, 900, 1000, 3000]
+    T, H = cu[-1], 4
+    inputs, do = make_inputs(T, H, gen)
+    plan = local_plan(cu)
+    run_ids = [0, 2]
+    Mt, F = cb.bwd_summaries(*inputs, do, SCALE, plan, run_ids)
+    Mt_r, F_r = TorchBackend().bwd_summaries(*inputs, do, SCALE, plan, run_ids)
+    em, ef = rel(Mt, Mt_r), rel(F, F_r)
+    print(f"summaries: Mt rel-RMS vs torch-fp32 {em:.3e}, F {ef:.3e}")
+    assert torch.isfinite(Mt).all() and torch.isfinite(F).all()
+    assert em <= 5e-3 and ef <= 5e-3
+
+
+def test_deterministic_bitwise_over_5_calls_and_nondet_close():
+    gen = torch.Generator().manual_seed(1234)
+    cu = [0, 5000, 5001, 9000]
+    inputs, do = make_inputs(9000, 4, gen)
+    plan = local_plan(cu)
+    outs = [run_bwd(inputs, do, plan) for _ in range(5)]
+    for o in outs[1:]:
+        for a, b in zip(o, outs[0]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    nd = run_bwd(inputs, do, plan, deterministic=False)
+    for name, a, b in zip(NAMES, nd, outs[0]):
+        e = rel(a, b)
+        print(f"nondet vs det {name}: {e:.2e}")
+        assert e <= 1e-4
