@@ -1,0 +1,96 @@
+// Device helpers shared by the kda_kcp kernels: bf16 tensor-core mma (m16n8k16, portable to
+// sm_90a / sm_100a / sm_103a), ldmatrix fragment loads from XOR-swizzled shared tiles, cp.async.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace kda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(x) through the special-function unit (relative error ~2^-22 plus |x| * 2^-24 from the scaling).
+__device__ __forceinline__ float fexp(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
+  return y;
+}
+
+// Element offset of (r, c) in a bf16 tile whose rows hold 128 (or 64) elements, stored with the 16-byte
+// chunk index XOR-ed with (r & 7): ldmatrix over 8 consecutive rows then hits 8 distinct bank groups.
+__device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
+__device__ __forceinline__ int sw64(int r, int c) { return r * 64 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm4t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// D += A * B, A 16x16 bf16 (row), B 16x8 bf16 (col), D 16x8 fp32.
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+// x ~= hi + lo with both bf16 (about 16 significant bits together).
+__device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+  float2 hf = __bfloat1622float2(h);
+  __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
+  hi = *reinterpret_cast<uint32_t*>(&h);
+  lo = *reinterpret_cast<uint32_t*>(&l);
+}
+
+// ---- fragment loads (tile pointers are bf16 bases of swizzled tiles; RL = row length 128 or 64) ----
+template <int RL>
+__device__ __forceinline__ int swz(int r, int c) {
+  if constexpr (RL == 128) return sw128(r, c);
+  else return sw64(r, c);
+}
+// A (16x16, rows m0.., cols k0..) from storage [m][k].
+template <int RL>
+__device__ __forceinline__ void lda(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+  ldsm4(a, t + swz<RL>(m0 + (lane & 15), k0 + ((lane >> 4) << 3)));
+}
+// A (16x16) from storage [k][m] (the tile holds A transposed).
+template <int RL>
+__device__ __forceinline__ void lda_t(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+  ldsm4t(a, t + swz<RL>(k0 + (lane & 7) + ((lane >> 4) << 3), m0 + (((lane >> 3) & 1) << 3)));
+}
+// B for two n-tiles (k16 x n16): b[0],b[1] = tile n0..n0+7, b[2],b[3] = tile n0+8.. ; storage [n][k].
+template <int RL>
+__device__ __forceinline__ void ldb(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
+  ldsm4(b, t + swz<RL>(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + (((lane >> 3) & 1) << 3)));
+}
+// Same from storage [k][n].
+template <int RL>
+__device__ __forceinline__ void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
+  ldsm4t(b, t + swz<RL>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3)));
+}
+
+// ---- cp.async (16 bytes, zero-filled when !valid) ----
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+}  // namespace kda

@@ -1,0 +1,102 @@
+"""CUDA backend: the forward kernels of csrc/ (loaded through kda_kcp.jit); the backward delegates to the
+torch backend until its kernels exist.
+
+Tensors: q, k, v bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
+indexed [run, head, key, value]; summaries (M [n, H, K, K], E [n, H, K, V]) with S_next = M @ S + E.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .segments import forward_tables, summary_tables
+
+__all__ = ["CudaBackend"]
+
+_D = 128
+
+
+def _module(device):
+    from ..jit import load_program
+
+    return load_program("kda_fwd", device)
+
+
+def _none(device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def _check(q, k, v, g, beta):
+    for name, t, dt in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
+                        ("g", g, torch.float32), ("beta", beta, torch.bfloat16)):
+        if t.dtype != dt:
+            raise TypeError(f"CUDA backend: {name} must be {dt}, got {t.dtype}")
+        if not t.is_cuda:
+            raise ValueError(f"CUDA backend: {name} must be on a CUDA device")
+    if q.dim() != 3 or q.shape[-1] != _D or v.shape[-1] != _D:
+        raise ValueError(f"CUDA backend: head dim must be {_D}, got q {tuple(q.shape)}, v {tuple(v.shape)}")
+
+
+def _c(x):
+    return x if x.is_contiguous() else x.contiguous()
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, deterministic: bool = True):
+        # the forward has no reductions in parallel: one implementation serves both packages
+        self.deterministic = deterministic
+
+    # ---------------- forward ----------------
+    def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
+        _check(q, k, v, g, beta)
+        q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
+        dev = q.device
+        T, H, _ = q.shape
+        o = torch.empty(T, H, _D, dtype=torch.bfloat16, device=dev)
+        if T == 0 or plan.num_runs == 0:
+            return o
+        mod = _module(dev)
+        tabs = forward_tables(plan, H, dev)
+        sin_t = state_in.contiguous().float() if state_in is not None else _none(dev)
+        if state_in is not None and tuple(sin_t.shape) != (plan.num_runs, H, _D, _D):
+            raise ValueError(f"state_in must be [{plan.num_runs}, {H}, {_D}, {_D}], got {tuple(state_in.shape)}")
+        seg_states = _none(dev)
+        if tabs.num_summary > 0:
+            m = torch.empty(tabs.num_summary, H, _D, _D, dtype=torch.float32, device=dev)
+            e = torch.empty_like(m)
+            mod.fwd_summary(q, k, v, g, beta, tabs.summary, m, e, float(scale))
+            seg_states = torch.empty(tabs.num_sin, H, _D, _D, dtype=torch.float32, device=dev)
+            mod.merge_fold(m, e, tabs.chains, sin_t, seg_states)
+        mod.fwd_output(q, k, v, g, beta, tabs.fwd, sin_t, seg_states, o, float(scale))
+        return o
+
+    def fwd_summaries(self, q, k, v, g, beta, scale, plan, run_ids):
+        _check(q, k, v, g, beta)
+        q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
+        dev = q.device
+        H = q.shape[1]
+        run_ids = tuple(int(r) for r in run_ids)
+        M = torch.empty(len(run_ids), H, _D, _D, dtype=torch.float32, device=dev)
+        E = torch.empty_like(M)
+        if not run_ids:
+            return M, E
+        mod = _module(dev)
+        summ, chains, nsum = summary_tables(plan, run_ids, H, dev)
+        m = torch.empty(nsum, H, _D, _D, dtype=torch.float32, device=dev)
+        e = torch.empty_like(m)
+        mod.fwd_summary(q, k, v, g, beta, summ, m, e, float(scale))
+        mod.merge_compose(m, e, chains, M, E)
+        return M, E
+
+    # ---------------- backward: the torch backend for now ----------------
+    def bwd_summaries(self, q, k, v, g, beta, do, scale, plan, run_ids):
+        from ..torch_backend import TorchBackend
+
+        return TorchBackend().bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids)
+
+    def bwd_grads(self, q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None):
+        from ..torch_backend import TorchBackend
+
+        return TorchBackend().bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out)
