@@ -400,42 +400,57 @@ constexpr int RW_GAM = 73728;
 constexpr int RW_STAGE = RW_GAM + 512;
 static_assert(WCOLS == 64, "the dO tile is a 64-column swizzled tile");
 
-__device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, int tid) {
+__device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU, int tid) {
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_bf16<128, WNW * 32>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
   load_bf16<128, WNW * 32>(reinterpret_cast<bf16*>(st + FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
-  load_f32<WNW * 32>(reinterpret_cast<float*>(st + FW_U), WUL, reinterpret_cast<const float*>(rec + kRecU) + col0, D, C,
-                     WCOLS, C, tid);
+  if (withU)
+    load_f32<WNW * 32>(reinterpret_cast<float*>(st + FW_U), WUL, reinterpret_cast<const float*>(rec + kRecU) + col0, D, C,
+                       WCOLS, C, tid);
   load_f32<WNW * 32>(reinterpret_cast<float*>(st + FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1,
                      tid);
 }
 
+// Rows of a.runs: (first chunk, chunks, idx, src). Walk (!SUMMARY): the state enters from a.fold[idx]
+// when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written.
+// SUMMARY: virtual columns [M (0..127) | E (128..255)] of the segment's affine map from a zero state,
+// grid.z = 4, written to m_out[idx] / e_out[idx] (M indexed [key_out][key_in]).
+template <bool SUMMARY>
 __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x, h = blockIdx.y, H = a.H;
-  const int col0 = blockIdx.z * WCOLS;
+  const int vz = blockIdx.z * WCOLS;
+  const bool withU = !SUMMARY || vz >= D;  // the E part (or the walk) carries U; the M part does not
+  const int col0 = vz & (D - 1);
   const int vloc = warp * 16, vcol = col0 + vloc;
   const int g4 = lane >> 2, l4 = lane & 3;
-  const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2];
+  const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], ssrc = a.runs[4 * r + 3];
 
   float ST[16][4];
   {
-    const float* src = (a.state_in != nullptr && sidx >= 0) ? a.state_in + (static_cast<int64_t>(sidx) * H + h) * D * D : nullptr;
+    const float* src = nullptr;
+    if (!SUMMARY) {
+      if (ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
+      else if (a.state_in != nullptr && sidx >= 0) src = a.state_in + (static_cast<int64_t>(sidx) * H + h) * D * D;
+    }
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
-        ST[nt][e] = src != nullptr ? src[d * D + v] : 0.f;
+        float x = 0.f;
+        if (SUMMARY) x = (!withU && v == d) ? 1.f : 0.f;
+        else if (src != nullptr) x = src[d * D + v];
+        ST[nt][e] = x;
       }
   }
-  if (nc > 0) fwd_stage_load(smem, a, first, h, col0, tid);
+  if (nc > 0) fwd_stage_load(smem, a, first, h, col0, withU, tid);
   cp_async_commit();
   for (int j = 0; j < nc; ++j) {
     char* st = smem + (j & 1) * FW_STAGE;
     if (j + 1 < nc) {
-      fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, tid);
+      fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU, tid);
       cp_async_commit();
       cp_async_wait1();
     } else {
@@ -447,7 +462,7 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
     const float* sU = reinterpret_cast<const float*>(st + FW_U);
     const float* sGam = reinterpret_cast<const float*>(st + FW_GAM);
     // h of this chunk: the state entering it
-    {
+    if constexpr (!SUMMARY) {
       float* dst = a.h + (static_cast<int64_t>(first + j) * H + h) * D * D;
 #pragma unroll
       for (int nt = 0; nt < 16; ++nt)
@@ -462,7 +477,7 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) VN[nt][e] = sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)];
+      for (int e = 0; e < 4; ++e) VN[nt][e] = withU ? sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)] : 0.f;
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       uint32_t sh[4], sl[4];
@@ -515,6 +530,16 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
       }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
+  if constexpr (SUMMARY) {
+    float* dst = (withU ? a.e_out : a.m_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
+        dst[d * D + v] = ST[nt][e];
+      }
+  }
 }
 
 __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF, int tid) {
@@ -546,13 +571,17 @@ __global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
   const int col0 = vz & (D - 1);
   const int vcol = col0 + warp * 16;
   const int g4 = lane >> 2, l4 = lane & 3;
-  const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], oidx = a.runs[4 * r + 3];
+  // rows (first chunk, chunks, idx, src): like the forward walk, with dstate_out; SUMMARY writes
+  // mt_out[idx] / f_out[idx]
+  const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], ssrc = a.runs[4 * r + 3];
 
   float ST[16][4];
   {
-    const float* src = (!SUMMARY && a.dstate_out != nullptr && sidx >= 0)
-                           ? a.dstate_out + (static_cast<int64_t>(sidx) * H + h) * D * D
-                           : nullptr;
+    const float* src = nullptr;
+    if (!SUMMARY) {
+      if (ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
+      else if (a.dstate_out != nullptr && sidx >= 0) src = a.dstate_out + (static_cast<int64_t>(sidx) * H + h) * D * D;
+    }
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
@@ -684,7 +713,7 @@ __global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
     __syncthreads();
   }
   if constexpr (SUMMARY) {
-    float* dst = (withF ? a.f_out : a.mt_out) + (static_cast<int64_t>(oidx) * H + h) * D * D;
+    float* dst = (withF ? a.f_out : a.mt_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
@@ -1103,6 +1132,57 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
   }
 }
 
+// ================================================================================================
+// fold of segment summaries in FP32: X = init; for j < count: X = M[first + j] X + E[first + j],
+// written to fold[out + j]. 32 state columns per CTA, X (128 x 32) in shared memory; fixed order.
+// chains rows: (first summary, count, init idx (-1: zero), first out slot); init rows come from a.state_in
+// (forward) or a.dstate_out (backward: the summaries are (M^T, F), listed from the run's end).
+// ================================================================================================
+template <bool REV>
+__global__ void __launch_bounds__(256) fold_kernel(const Args a) {
+  __shared__ float X[D][33];
+  const int ch = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * 32;
+  const int first = a.runs[4 * ch], cnt = a.runs[4 * ch + 1], init = a.runs[4 * ch + 2], outi = a.runs[4 * ch + 3];
+  const int t = threadIdx.x, d = t >> 1, cb = (t & 1) * 16;
+  const int H = a.H;
+  const float* src0 = REV ? a.dstate_out : a.state_in;
+#pragma unroll
+  for (int cc = 0; cc < 16; ++cc) {
+    float x = 0.f;
+    if (init >= 0 && src0 != nullptr) x = src0[((static_cast<int64_t>(init) * H + h) * D + d) * D + col0 + cb + cc];
+    X[d][cb + cc] = x;
+  }
+  __syncthreads();
+  for (int j = 0; j < cnt; ++j) {
+    const int64_t sb = (static_cast<int64_t>(first + j) * H + h) * D * D;
+    float acc[16];
+#pragma unroll
+    for (int cc = 0; cc < 16; ++cc) acc[cc] = a.e_sum[sb + d * D + col0 + cb + cc];
+    const float4* mrow = reinterpret_cast<const float4*>(a.m_sum + sb + d * D);
+#pragma unroll 4
+    for (int m4 = 0; m4 < D / 4; ++m4) {
+      const float4 mv = mrow[m4];
+#pragma unroll
+      for (int cc = 0; cc < 16; ++cc) {
+        float s = acc[cc];
+        s = fmaf(mv.x, X[4 * m4 + 0][cb + cc], s);
+        s = fmaf(mv.y, X[4 * m4 + 1][cb + cc], s);
+        s = fmaf(mv.z, X[4 * m4 + 2][cb + cc], s);
+        s = fmaf(mv.w, X[4 * m4 + 3][cb + cc], s);
+        acc[cc] = s;
+      }
+    }
+    __syncthreads();
+    float* dst = a.fold_out + (static_cast<int64_t>(outi + j) * H + h) * D * D + d * D + col0 + cb;
+#pragma unroll
+    for (int cc = 0; cc < 16; ++cc) {
+      X[d][cb + cc] = acc[cc];
+      dst[cc] = acc[cc];
+    }
+    __syncthreads();
+  }
+}
+
 template <class K>
 cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cudaStream_t s) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -1119,7 +1199,17 @@ cudaError_t launch_prep(const Args& a, cudaStream_t s) {
 }
 cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
-  return launch(fwd_walk_kernel, dim3(a.nruns, a.H, D / WCOLS), WNW * 32, 2 * FW_STAGE, a, s);
+  return launch(fwd_walk_kernel<false>, dim3(a.nruns, a.H, D / WCOLS), WNW * 32, 2 * FW_STAGE, a, s);
+}
+cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s) {
+  if (a.nruns == 0 || a.H == 0) return cudaSuccess;
+  return launch(fwd_walk_kernel<true>, dim3(a.nruns, a.H, 2 * D / WCOLS), WNW * 32, 2 * FW_STAGE, a, s);
+}
+cudaError_t launch_fold(const Args& a, bool rev, cudaStream_t s) {
+  if (a.nruns == 0 || a.H == 0) return cudaSuccess;
+  if (rev) fold_kernel<true><<<dim3(a.nruns, a.H, D / 32), 256, 0, s>>>(a);
+  else fold_kernel<false><<<dim3(a.nruns, a.H, D / 32), 256, 0, s>>>(a);
+  return cudaGetLastError();
 }
 cudaError_t launch_rev_walk(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;

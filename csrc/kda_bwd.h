@@ -2,8 +2,10 @@
 // allocates. Layouts: q, k, v, do, dq, dk, dv [T, H, 128] bf16; g, dg [T, H, 128] fp32; beta, dbeta
 // [T, H] bf16; states and their gradients [n, H, 128, 128] fp32 indexed [.., key, value].
 //
-// Tables (int32): chunks [Nc][2] = (first token, rows); runs [R][4] = (first chunk row, chunk count,
-// state index (row of state_in / dstate_out, -1 = zero), output index (summaries)).
+// Tables (int32): chunks [Nc][2] = (first token, rows); walk rows [n][4] = (first chunk row, chunk count,
+// idx, src): the state enters from fold[idx] when src == 1, else from state_in / dstate_out[idx]
+// (zero when null or idx < 0); summary rows (first chunk row, chunk count, out idx, 0); fold chains
+// (first summary, count, init idx or -1, first out slot).
 //
 // The prep workspace holds one record of kPrepBytes per (chunk row, head), record index c * H + h.
 #pragma once
@@ -45,8 +47,14 @@ struct Args {
   float* dh;                // [Nc, H, K, V] gradient of the state leaving each chunk
   const float* state_in;    // [*, H, K, V] or null
   const float* dstate_out;  // [*, H, K, V] or null
-  float* mt_out;            // summaries: [n, H, K, K]
-  float* f_out;             // summaries: [n, H, K, V]
+  float* mt_out;            // backward summaries: [n, H, K, K]
+  float* f_out;             // backward summaries: [n, H, K, V]
+  float* m_out;             // forward segment summaries: [n, H, K, K]
+  float* e_out;             // forward segment summaries: [n, H, K, V]
+  const float* fold;        // walks: incoming states of segments with src == 1 [n, H, K, V]
+  const float* m_sum;       // fold: summaries (M or M^T) [n, H, K, K]
+  const float* e_sum;       // fold: offsets (E or F) [n, H, K, V]
+  float* fold_out;          // fold: the folded states [n, H, K, V]
   void* dq;
   void* dk;
   void* dv;
@@ -58,6 +66,8 @@ cudaError_t launch_prep(const Args& a, cudaStream_t s);
 cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s);   // writes h
 cudaError_t launch_rev_walk(const Args& a, cudaStream_t s);   // writes dh
 cudaError_t launch_rev_summary(const Args& a, cudaStream_t s);  // writes mt_out, f_out
+cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s);  // writes m_out, e_out
+cudaError_t launch_fold(const Args& a, bool rev, cudaStream_t s);  // chains in runs; writes fold_out
 cudaError_t launch_grads(const Args& a, cudaStream_t s);
 
 }  // namespace bwd

@@ -103,8 +103,10 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
   raise_on(B::launch_prep(a, stream_of(q)), "kda bwd_prep launch");
 }
 
-// h[c] = state entering chunk c of every run (runs rows (first chunk, count, state index, -)).
-void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView h) {
+// h[c] = state entering chunk c of every walk row (first chunk, count, idx, src): from fold[idx] when
+// src == 1, else state_in[idx] (numel 0 = zeros).
+void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView fold,
+                  TensorView h) {
   const int dev = prep.device().device_id;
   check_table(chunks, "chunk table", 2, dev);
   check_table(runs, "run table", 4, dev);
@@ -118,12 +120,16 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
     check_state(state_in, "state_in", -1, H, dev);
     a.state_in = static_cast<const float*>(state_in.data_ptr());
   }
+  if (fold.numel() > 0) {
+    check_state(fold, "segment states", -1, H, dev);
+    a.fold = static_cast<const float*>(fold.data_ptr());
+  }
   raise_on(B::launch_fwd_walk(a, stream_of(h)), "kda bwd_fwd_walk launch");
 }
 
 // dh[c] = gradient of the state leaving chunk c, walking every run from its end (dstate_out or zero).
 void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
-                  TensorView dh) {
+                  TensorView fold, TensorView dh) {
   const int dev = prep.device().device_id;
   check_table(chunks, "chunk table", 2, dev);
   check_table(runs, "run table", 4, dev);
@@ -140,10 +146,55 @@ void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorVie
     check_state(dstate_out, "dstate_out", -1, H, dev);
     a.dstate_out = static_cast<const float*>(dstate_out.data_ptr());
   }
+  if (fold.numel() > 0) {
+    check_state(fold, "segment state gradients", -1, H, dev);
+    a.fold = static_cast<const float*>(fold.data_ptr());
+  }
   raise_on(B::launch_rev_walk(a, stream_of(dh)), "kda bwd_rev_walk launch");
 }
 
-// Backward summaries of runs (rows (first chunk, count, -, out index)) from a zero dS:
+// Forward summaries (M, E) of segments (rows (first chunk, count, out idx, 0)) from a zero state.
+void bwd_fwd_summary(TensorView prep, TensorView chunks, TensorView segs, TensorView m, TensorView e) {
+  const int dev = prep.device().device_id;
+  check_table(chunks, "chunk table", 2, dev);
+  check_table(segs, "segment table", 4, dev);
+  TVM_FFI_CHECK(m.ndim() == 4, ValueError) << "M must be [n, H, 128, 128]";
+  const int64_t H = m.size(1);
+  check_state(m, "M", -1, H, dev);
+  check_state(e, "E", m.size(0), H, dev);
+  check_prep(prep, chunks.size(0), H, dev);
+  B::Args a = base_args(chunks, segs, H, prep);
+  a.m_out = static_cast<float*>(m.data_ptr());
+  a.e_out = static_cast<float*>(e.data_ptr());
+  raise_on(B::launch_fwd_summary(a, stream_of(m)), "kda bwd_fwd_summary launch");
+}
+
+// Fold summaries along chains (first summary, count, init idx or -1, first out slot) in FP32:
+// X = init (state_in / dstate_out row, or zero); X = M X + E per summary, each X written to out.
+void bwd_fold(TensorView m, TensorView e, TensorView chains, TensorView init, TensorView out, bool rev) {
+  const int dev = m.device().device_id;
+  TVM_FFI_CHECK(m.ndim() == 4, ValueError) << "M must be [n, H, 128, 128]";
+  const int64_t H = m.size(1);
+  check_state(m, "M", -1, H, dev);
+  check_state(e, "E", m.size(0), H, dev);
+  check_state(out, "fold output", -1, H, dev);
+  check_table(chains, "chain table", 4, dev);
+  B::Args a{};
+  a.runs = static_cast<const int32_t*>(chains.data_ptr());
+  a.nruns = static_cast<int>(chains.size(0));
+  a.H = static_cast<int>(H);
+  a.m_sum = static_cast<const float*>(m.data_ptr());
+  a.e_sum = static_cast<const float*>(e.data_ptr());
+  a.fold_out = static_cast<float*>(out.data_ptr());
+  if (init.numel() > 0) {
+    check_state(init, "initial states", -1, H, dev);
+    if (rev) a.dstate_out = static_cast<const float*>(init.data_ptr());
+    else a.state_in = static_cast<const float*>(init.data_ptr());
+  }
+  raise_on(B::launch_fold(a, rev, stream_of(m)), "kda bwd_fold launch");
+}
+
+// Backward summaries of runs or segments (rows (first chunk, count, out index, 0)) from a zero dS:
 // dS_in = Mt dS_out + F.
 void bwd_rev_summary(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView mt,
                      TensorView f) {
@@ -211,4 +262,6 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_prep, bwd_prep);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_fwd_walk, bwd_fwd_walk);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_rev_walk, bwd_rev_walk);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_rev_summary, bwd_rev_summary);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_fwd_summary, bwd_fwd_summary);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_fold, bwd_fold);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_grads, bwd_grads);

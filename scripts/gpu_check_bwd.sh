@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
     bench-heads) shift; heads="$1";;
     bench)
       cat > /tmp/bench_bwd.py <<'PY'
-import json, sys, torch
+import json, os, sys, torch
 sys.path.insert(0, '.')
 from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.cuda import backward as cb
@@ -53,37 +53,24 @@ for H in heads:
     g = (-5 * torch.sigmoid(torch.randn(T, H, 128, device='cuda', generator=gen))).clamp(-5, -1e-6)
     beta = torch.rand(T, H, device='cuda', generator=gen).bfloat16().clamp(0.01, 0.99)
     do = torch.randn(T, H, 128, device='cuda', generator=gen).bfloat16()
-    mod = cb.load(q.device)
-    chunks, runs = cb._tables(plan, q.device)
-    nc = chunks.shape[0]
-    prep = torch.empty(nc * H * cb.PREP_BYTES, dtype=torch.uint8, device='cuda')
-    h = torch.empty(nc, H, 128, 128, dtype=torch.float32, device='cuda'); dh = torch.empty_like(h)
-    dq, dk, dv, dg, db = (torch.empty_like(x) for x in (q, k, v, g, beta))
-    e0 = torch.empty(0, device='cuda')
-    stages = [
-        ('prep', lambda: mod.bwd_prep(q, k, v, g, beta, chunks, prep, 128 ** -0.5)),
-        ('fwd_walk', lambda: mod.bwd_fwd_walk(prep, chunks, runs, e0, h)),
-        ('rev_walk', lambda: mod.bwd_rev_walk(do, prep, chunks, runs, e0, dh)),
-        ('grads', lambda: mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, db, 128 ** -0.5)),
-    ]
-    for _, f in stages: f()
-    torch.cuda.synchronize()
-    times = {n: [] for n, _ in stages}; tot = []
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    cb.bwd_grads(q, k, v, g, beta, do, 128 ** -0.5, plan); torch.cuda.synchronize()
+    times = {}
     for it in range(5):
         flush.zero_(); torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(stages) + 1)]
-        ev[0].record()
-        for i, (n, f) in enumerate(stages):
-            f(); ev[i + 1].record()
-        torch.cuda.synchronize()
-        for i, (n, _) in enumerate(stages): times[n].append(ev[i].elapsed_time(ev[i + 1]))
-        tot.append(ev[0].elapsed_time(ev[-1]))
-    med = lambda xs: sorted(xs)[len(xs) // 2]
-    del prep, h, dh, dq, dk, dv, dg, db
-    torch.cuda.empty_cache()
-    # the public entry (allocations included), det and nondet
-    for det in (True, False):
-        cb.bwd_grads(q, k, v, g, beta, do, 128 ** -0.5, plan, None, None, det); torch.cuda.synchronize()
+        d = {}
+        cb.bwd_grads(q, k, v, g, beta, do, 128 ** -0.5, plan, timing=d)
+        for n, t in d.items(): times.setdefault(n, []).append(t)
+    tot = times.pop('total'); segc = times.pop('seg_chunks')[0]
+    unsplit = float('nan')
+    if H == 4:  # the same with whole-run walks, to see what segmenting buys
+        os.environ['KDA_KCP_BWD_SEG_CHUNKS'] = '0'
+        cb.bwd_grads(q, k, v, g, beta, do, 128 ** -0.5, plan); ts = []
+        for it in range(3):
+            flush.zero_(); torch.cuda.synchronize(); d = {}
+            cb.bwd_grads(q, k, v, g, beta, do, 128 ** -0.5, plan, timing=d); ts.append(d['total'])
+        unsplit = med(ts)
+        del os.environ['KDA_KCP_BWD_SEG_CHUNKS']
     ent = {}
     for det in (True, False):
         ts = []
@@ -93,16 +80,17 @@ for H in heads:
             a.record(); cb.bwd_grads(q, k, v, g, beta, do, 128 ** -0.5, plan, None, None, det); b.record()
             torch.cuda.synchronize(); ts.append(a.elapsed_time(b))
         ent['det' if det else 'nd'] = med(ts)
-    row = dict(H=H, total_ms=med(tot), **{n: med(t) for n, t in times.items()}, entry_det_ms=ent['det'], entry_nd_ms=ent['nd'],
+    row = dict(H=H, seg_chunks=segc, total_ms=med(tot), unsplit_total_ms=unsplit, **{n: med(t) for n, t in times.items()}, entry_det_ms=ent['det'], entry_nd_ms=ent['nd'],
                peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     rows.append(row); print(json.dumps(row), flush=True)
     del q, k, v, g, beta, do
     torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
 fla = {4: 14.8, 16: 47.8}
-print("\n| H | bwd total ms | prep | fwd walk | rev walk | grads | entry det | entry nd | FLA 0.6.0 (measured earlier) | peak GiB |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("\n| H | seg chunks | bwd total ms | (whole-run walks) | prep | fwd summ+fold | fwd walk | rev summ+fold | rev walk | grads | entry det | entry nd | FLA 0.6.0 (measured earlier) | peak GiB |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
-    print(f"| {r['H']} | {r['total_ms']:.2f} | {r['prep']:.2f} | {r['fwd_walk']:.2f} | {r['rev_walk']:.2f} | {r['grads']:.2f} | "
+    print(f"| {r['H']} | {r['seg_chunks']} | {r['total_ms']:.2f} | {r['unsplit_total_ms']:.2f} | {r['prep']:.2f} | {r['fwd_summaries']:.2f} | {r['fwd_walk']:.2f} | "
+          f"{r['rev_summaries']:.2f} | {r['rev_walk']:.2f} | {r['grads']:.2f} | "
           f"{r['entry_det_ms']:.2f} | {r['entry_nd_ms']:.2f} | {fla.get(r['H'], float('nan'))} | {r['peak_gib']:.1f} |")
 PY
       timeout 120 python3 /tmp/bench_bwd.py "$heads" 2>&1 | tee "$OUT/bench_bwd.log" | tail -8

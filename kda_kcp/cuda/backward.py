@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -161,7 +162,7 @@ def load(device=None):
 # tables
 # ---------------------------------------------------------------------------------------------------
 def _tables(plan, device):
-    """(chunks int32 [Nc, 2], runs int32 [R, 4]) for the whole plan, cached on it."""
+    """(chunks int32 [Nc, 2], whole-run walk rows int32 [R, 4] = (first chunk, chunks, run, 0)), cached."""
     key = ("cuda_bwd_tables", str(torch.device(device)))
     cache = plan._tables
     if key not in cache:
@@ -170,8 +171,111 @@ def _tables(plan, device):
         ptr = t["run_chunk_ptr"]
         R = plan.num_runs
         idx = torch.arange(R, dtype=torch.int32, device=ptr.device)
-        runs = torch.stack([ptr[:-1], ptr[1:] - ptr[:-1], idx, idx], 1).contiguous()
+        runs = torch.stack([ptr[:-1], ptr[1:] - ptr[:-1], idx, torch.zeros_like(idx)], 1).contiguous()
         cache[key] = (chunks, runs)
+    return cache[key]
+
+
+# ---- segments: runs split into pieces of whole chunks, walked in parallel (affine merge) ----
+SEG_CTA_OVERHEAD = 2.0  # start-up of one walk CTA, in chunk steps
+FOLD_STEP_COST = 1.0  # one fold step, in chunk steps
+
+
+def _split(nchunks: int, nseg: int) -> list[int]:
+    base, extra = divmod(nchunks, nseg)
+    return [base + (1 if i < extra else 0) for i in range(nseg)]
+
+
+def _pass_time(lengths, copies: int, slots: int) -> float:
+    if not lengths:
+        return 0.0
+    work = (sum(lengths) + SEG_CTA_OVERHEAD * len(lengths)) * copies
+    return work / slots + max(lengths) + SEG_CTA_OVERHEAD
+
+
+def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
+    """Chunks per segment minimising a list-scheduling estimate of the two walks (a pure function of the
+    shapes). Walk CTAs: 2 per (segment, head); summary CTAs: 4 per (non-final segment, head), one CTA per
+    SM. ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0`` keeps whole runs."""
+    forced = os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", "").strip()
+    longest = max(run_chunks, default=1)
+    if forced:
+        n = int(forced)
+        return longest if n <= 0 else n
+    best = None
+    cands = {longest} | {max(1, math.ceil(longest / n)) for n in range(1, 129)}
+    for L in sorted(cands, reverse=True):
+        if L < 8 and L != longest:
+            continue
+        walk, summ, steps = [], [], 0
+        for c in run_chunks:
+            parts = _split(c, math.ceil(c / L))
+            walk += parts
+            summ += parts[:-1]
+            steps = max(steps, len(parts) - 1)
+        t = 2 * (_pass_time(walk, 2 * heads, sms) + _pass_time(summ, 4 * heads, sms)) + 2 * FOLD_STEP_COST * steps
+        if best is None or t < best[0] - 1e-9:
+            best = (t, L)
+    return best[1]
+
+
+class SegTables:
+    """int32 tables of the segmented walks (rows described in csrc/kda_bwd.h)."""
+
+    def __init__(self, plan, heads: int, device):
+        C = plan.chunk_size
+        run_chunks = [-(-r.length // C) for r in plan.runs]
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 132
+        L = choose_segment_chunks(run_chunks, heads, sms)
+        fwalk, rwalk, fsum, rsum, fch, rch = [], [], [], [], [], []
+        nf = nr = 0
+        ptr = 0
+        for r, n in enumerate(run_chunks):
+            parts = _split(n, math.ceil(n / L)) if n > 0 else []
+            starts = []
+            for p in parts:
+                starts.append(ptr)
+                ptr += p
+            k = len(parts)
+            if k == 0:
+                continue
+            if k == 1:
+                fwalk.append((starts[0], parts[0], r, 0))
+                rwalk.append((starts[0], parts[0], r, 0))
+                continue
+            fch.append((len(fsum), k - 1, r, nf))
+            for j in range(k - 1):
+                fsum.append((starts[j], parts[j], len(fsum), 0))
+            fwalk.append((starts[0], parts[0], r, 0))
+            for j in range(1, k):
+                fwalk.append((starts[j], parts[j], nf + j - 1, 1))
+            nf += k - 1
+            rch.append((len(rsum), k - 1, r, nr))
+            for j in range(k - 1, 0, -1):
+                rsum.append((starts[j], parts[j], len(rsum), 0))
+            rwalk.append((starts[k - 1], parts[k - 1], r, 0))
+            for j in range(k - 1):
+                rwalk.append((starts[j], parts[j], nr + (k - 2 - j), 1))
+            nr += k - 1
+        # longest rows first: the CTAs that bound a pass start first
+        for lst in (fwalk, rwalk, fsum, rsum):
+            lst.sort(key=lambda row: -row[1])
+
+        def t(rows):
+            return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+
+        self.seg_chunks = L
+        self.fwalk, self.rwalk, self.fsum, self.rsum = t(fwalk), t(rwalk), t(fsum), t(rsum)
+        self.fchains, self.rchains = t(fch), t(rch)
+        self.num_fold_f, self.num_fold_r = nf, nr
+        self.num_sum_f, self.num_sum_r = len(fsum), len(rsum)
+
+
+def _seg_tables(plan, heads: int, device) -> SegTables:
+    key = ("cuda_bwd_segments", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""))
+    cache = plan._tables
+    if key not in cache:
+        cache[key] = SegTables(plan, heads, device)
     return cache[key]
 
 
@@ -184,7 +288,7 @@ def _summary_tables(plan, run_ids, device):
         for i, r in enumerate(run_ids):
             run = plan.runs[r]
             n = -(-run.length // C)
-            runs.append((len(chunks), n, -1, i))
+            runs.append((len(chunks), n, i, 0))
             for j in range(n):
                 s = run.local_start + j * C
                 chunks.append((s, min(C, run.length - j * C)))
@@ -194,9 +298,15 @@ def _summary_tables(plan, run_ids, device):
     return cache[key]
 
 
-def workspace_bytes(num_chunks: int, num_heads: int) -> int:
-    """Bytes bwd_grads allocates besides its outputs: prep records + h + dh."""
-    return num_chunks * num_heads * (PREP_BYTES + 2 * STATE_BYTES)
+def workspace_bytes(plan, num_heads: int, device=None) -> int:
+    """Bytes bwd_grads allocates besides its outputs: prep records, h, dh, and the segment summaries
+    and folded states of the segmented walks."""
+    nc = sum(-(-r.length // plan.chunk_size) for r in plan.runs)
+    n = nc * (PREP_BYTES + 2 * STATE_BYTES)
+    if device is not None and plan.num_runs:
+        st = _seg_tables(plan, num_heads, device)
+        n += (2 * st.num_sum_f + 2 * st.num_sum_r + st.num_fold_f + st.num_fold_r) * STATE_BYTES
+    return n * num_heads
 
 
 def saved_bytes(num_chunks: int, num_heads: int) -> int:
@@ -237,8 +347,10 @@ def _state(x, n, H, dev, name):
     return x
 
 
-def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, deterministic=True):
-    """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan``."""
+def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, deterministic=True, timing=None):
+    """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan``.
+
+    ``timing``: a dict to receive the milliseconds of each stage (CUDA events; synchronizes; benchmarks only)."""
     _check(q, k, v, g, beta, do)
     q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
     dev = q.device
@@ -251,7 +363,7 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
     if T == 0 or plan.num_runs == 0:
         return dq, dk, dv, dg, dbeta
     mod = load(dev)
-    chunks, runs = _tables(plan, dev)
+    chunks, _ = _tables(plan, dev)
     nc = chunks.shape[0]
     R = plan.num_runs
     sin = _state(state_in, R, H, dev, "state_in")
@@ -259,10 +371,48 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
     prep = torch.empty(nc * H * PREP_BYTES, dtype=torch.uint8, device=dev)
     h = torch.empty(nc, H, _D, _D, dtype=torch.float32, device=dev)
     dh = torch.empty_like(h)
+    events = []
+
+    def mark(name):
+        if timing is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            events.append((name, ev))
+
+    mark("start")
     mod.bwd_prep(q, k, v, g, beta, chunks, prep, float(scale))
-    mod.bwd_fwd_walk(prep, chunks, runs, sin, h)
-    mod.bwd_rev_walk(do, prep, chunks, runs, dso, dh)
+    mark("prep")
+    st = _seg_tables(plan, H, dev)
+    e0 = torch.empty(0, dtype=torch.float32, device=dev)
+    ffold, rfold = e0, e0
+    if st.num_sum_f:
+        m = torch.empty(st.num_sum_f, H, _D, _D, dtype=torch.float32, device=dev)
+        e = torch.empty_like(m)
+        mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
+        ffold = torch.empty(st.num_fold_f, H, _D, _D, dtype=torch.float32, device=dev)
+        mod.bwd_fold(m, e, st.fchains, sin, ffold, False)
+        del m, e
+    mark("fwd_summaries")
+    mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
+    mark("fwd_walk")
+    if st.num_sum_r:
+        mt = torch.empty(st.num_sum_r, H, _D, _D, dtype=torch.float32, device=dev)
+        f = torch.empty_like(mt)
+        mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
+        rfold = torch.empty(st.num_fold_r, H, _D, _D, dtype=torch.float32, device=dev)
+        mod.bwd_fold(mt, f, st.rchains, dso, rfold, True)
+        del mt, f
+    mark("rev_summaries")
+    mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
+    mark("rev_walk")
     mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, float(scale))
+    mark("grads")
+    if timing is not None:
+        torch.cuda.synchronize(dev)
+        for (_, a), (name, b) in zip(events[:-1], events[1:]):
+            timing[name] = a.elapsed_time(b)
+        timing["total"] = events[0][1].elapsed_time(events[-1][1])
+        timing["seg_chunks"] = st.seg_chunks
     return dq, dk, dv, dg, dbeta
 
 

@@ -114,8 +114,8 @@ def test_stages_match_torch_stages():
     dh = torch.full_like(h, float("nan"))
     e0 = torch.empty(0, device=DEV)
     mod.bwd_prep(*inputs, chunks, prep, SCALE)
-    mod.bwd_fwd_walk(prep, chunks, runs, e0, h)
-    mod.bwd_rev_walk(do, prep, chunks, runs, e0, dh)
+    mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h)
+    mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh)
     torch.cuda.synchronize()
     rec = prep.view(nc, H, cb.PREP_BYTES)
 
@@ -212,6 +212,29 @@ def test_state_in_and_dstate_out_match_torch_backend():
         e = rel(x, r)
         print(f"state_in/dstate_out {name}: ours vs torch-fp32 {e:.3e}")
         assert e <= TOL[name]
+
+
+def test_segmentations_agree(monkeypatch):
+    """Walks split into segments of 1, 3 and 7 chunks (summaries + FP32 fold) against whole runs, with
+    incoming states and outgoing gradients."""
+    gen = torch.Generator().manual_seed(SEED + 11)
+    cu = [0, 3000, 3001, 7000]
+    T, H = cu[-1], 4
+    inputs, do = make_inputs(T, H, gen)
+    R = 3
+    sin = 0.1 * torch.randn(R, H, 128, 128, generator=gen).to(DEV)
+    dso = 0.1 * torch.randn(R, H, 128, 128, generator=gen).to(DEV)
+    outs = {}
+    for n in ("0", "1", "3", "7", ""):
+        monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", n)
+        plan = local_plan(cu)
+        outs[n] = run_bwd(inputs, do, plan, sin, dso)
+    for n in ("1", "3", "7", ""):
+        for name, a, b in zip(NAMES, outs[n], outs["0"]):
+            assert torch.isfinite(a.float()).all(), (n, name)
+            d = rel(a, b)
+            print(f"segments of {n or 'auto'} chunk(s) vs whole runs {name}: {d:.2e}")
+            assert d <= 1e-3
 
 
 def test_summaries_match_torch_backend():
