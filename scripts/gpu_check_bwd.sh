@@ -6,7 +6,7 @@
 #
 #   carry: [".whl", ".build/bwd"]     (.build/bwd/sm_90a/kda_bwd.so from
 #          `python -m kda_kcp.cuda.backward --build sm_90a --out .build/bwd` on a machine with nvcc)
-#   usage: scripts/gpu_check_bwd.sh [tests] [bench] [bench-heads "4 16 64"]
+#   usage: scripts/gpu_check_bwd.sh [tests] [sanitize] [bench-heads "4 16 64"] [bench]   (default: tests bench)
 set -o pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
@@ -31,6 +31,10 @@ while [ $# -gt 0 ]; do
         | grep -E "seed|rel-RMS|vs |passed|failed|Error|error|assert" | head -70
       summary="$summary\ntests: $(tail -1 "$OUT/tests_bwd.log")";;
     bench-heads) shift; heads="$1";;
+    sanitize)  # the stage diagnostics and the segmentation test under compute-sanitizer memcheck
+      timeout 200 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -s -x \
+        tests/gpu/test_bwd_cuda.py -k "stages or segmentations" 2>&1 | tee "$OUT/sanitize_bwd.log" | tail -30
+      summary="$summary\nsanitize: $(grep -E 'ERROR SUMMARY' "$OUT/sanitize_bwd.log" | tail -1)";;
     bench)
       cat > /tmp/bench_bwd.py <<'PY'
 import json, os, sys, torch
