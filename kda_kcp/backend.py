@@ -27,15 +27,15 @@ class BackendUnavailable(RuntimeError):
     """KDA_KCP_BACKEND=cuda was asked for but the CUDA backend cannot run here."""
 
 
-def _cuda_backend(deterministic: bool):
+def _cuda_backend(device: torch.device, deterministic: bool):
+    """The CUDA backend with its programs loaded for ``device`` (prebuilt or JIT-built on first use)."""
     if deterministic not in _cuda_backends:
         from .cuda import CudaBackend  # imported lazily: loading kernels needs tvm_ffi and a GPU
 
-        try:
-            _cuda_backends[deterministic] = CudaBackend(deterministic=deterministic)
-        except TypeError:  # a backend without the det/nondet split (forward-only kernels)
-            _cuda_backends[deterministic] = CudaBackend()
-    return _cuda_backends[deterministic]
+        _cuda_backends[deterministic] = CudaBackend(deterministic=deterministic)
+    backend = _cuda_backends[deterministic]
+    backend.load(device)
+    return backend
 
 
 def select_backend(device: torch.device, deterministic: bool):
@@ -66,9 +66,11 @@ def select_backend(device: torch.device, deterministic: bool):
                 stacklevel=3,
             )
         return _TORCH
+    from .jit import KernelBuildError
+
     try:
-        return _cuda_backend(deterministic)
-    except ImportError as exc:
+        return _cuda_backend(device, deterministic)
+    except (ImportError, KernelBuildError) as exc:
         if forced == "cuda":
             raise BackendUnavailable(f"KDA_KCP_BACKEND=cuda, but the CUDA backend cannot load: {exc}") from exc
         if not _warned_fallback:

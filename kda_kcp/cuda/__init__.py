@@ -48,6 +48,11 @@ class CudaBackend:
         # the forward has no reductions in parallel: one implementation serves both packages
         self.deterministic = deterministic
 
+    def load(self, device) -> None:
+        """Load (prebuilt or JIT-build) the programs for ``device`` now, so that a missing compiler or
+        arch build surfaces at backend selection (KernelBuildError), not inside a call."""
+        _module(device)
+
     # ---------------- forward ----------------
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
         _check(q, k, v, g, beta)
