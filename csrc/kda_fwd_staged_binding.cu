@@ -1,0 +1,151 @@
+// TVM-FFI entry points of the staged forward (v4). Checks first (they raise Python exceptions), then the
+// launch on the caller's current stream. Nothing is allocated here: Python hands in every buffer,
+// including the workspace of (chunk, head) records.
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+
+#include "kda_fwd_staged.h"
+
+namespace {
+
+using tvm::ffi::TensorView;
+
+constexpr int kD = 128;
+
+bool is_dtype(const TensorView& t, int code, int bits) {
+  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
+}
+
+void check_cuda(const TensorView& t, const char* name, int dev) {
+  TVM_FFI_CHECK(t.device().device_type == kDLCUDA, ValueError) << name << " must be a CUDA tensor";
+  TVM_FFI_CHECK(t.device().device_id == dev, ValueError) << name << " is on another device";
+  TVM_FFI_CHECK(t.IsContiguous(), ValueError) << name << " must be contiguous";
+}
+
+void check_thd(const TensorView& t, const char* name, int64_t T, int64_t H, int code, int bits, int dev) {
+  check_cuda(t, name, dev);
+  TVM_FFI_CHECK(t.ndim() == 3 && t.size(0) == T && t.size(1) == H && t.size(2) == kD, ValueError)
+      << name << " must be [T, H, 128]";
+  TVM_FFI_CHECK(is_dtype(t, code, bits), TypeError) << name << (code == kDLFloat ? " must be float32" : " must be bfloat16");
+}
+
+void check_table(const TensorView& t, const char* name, int cols, int dev) {
+  check_cuda(t, name, dev);
+  TVM_FFI_CHECK(t.ndim() == 2 && t.size(1) == cols && is_dtype(t, kDLInt, 32), ValueError)
+      << name << " must be int32 [n, " << cols << "]";
+}
+
+void check_ws(const TensorView& ws, int64_t records, int dev) {
+  check_cuda(ws, "workspace", dev);
+  TVM_FFI_CHECK(is_dtype(ws, kDLUInt, 8) && ws.ndim() == 1, TypeError) << "workspace must be uint8 [n]";
+  TVM_FFI_CHECK(ws.size(0) >= records * kda::kStagedRecordBytes, ValueError)
+      << "workspace holds " << ws.size(0) << " bytes, needs " << records * kda::kStagedRecordBytes;
+}
+
+void check_state(const TensorView& s, const char* name, int64_t H, int dev) {
+  check_cuda(s, name, dev);
+  TVM_FFI_CHECK(is_dtype(s, kDLFloat, 32), TypeError) << name << " must be float32";
+  TVM_FFI_CHECK(s.ndim() == 4 && s.size(1) == H && s.size(2) == kD && s.size(3) == kD, ValueError)
+      << name << " must be [n, H, 128, 128]";
+}
+
+cudaStream_t stream_of(const TensorView& t) {
+  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, t.device().device_id));
+}
+
+void raise_on(cudaError_t err, const char* what) {
+  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << what << ": " << cudaGetErrorString(err);
+}
+
+// Records of the chunks in `chunks` (rows (tok_start, nrows)) into ws, record index chunk * H + head.
+void staged_prep(TensorView q, TensorView k, TensorView g, TensorView beta, TensorView chunks, TensorView ws,
+                 double scale) {
+  const int dev = q.device().device_id;
+  TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
+  const int64_t T = q.size(0), H = q.size(1);
+  check_thd(q, "q", T, H, kDLBfloat, 16, dev);
+  check_thd(k, "k", T, H, kDLBfloat, 16, dev);
+  check_thd(g, "g", T, H, kDLFloat, 32, dev);
+  check_cuda(beta, "beta", dev);
+  TVM_FFI_CHECK(beta.ndim() == 2 && beta.size(0) == T && beta.size(1) == H && is_dtype(beta, kDLBfloat, 16),
+                ValueError)
+      << "beta must be bfloat16 [T, H]";
+  check_table(chunks, "chunk table", 2, dev);
+  TVM_FFI_CHECK(H >= 1 && H <= 65535, ValueError) << "H must be in [1, 65535]";
+  check_ws(ws, chunks.size(0) * H, dev);
+  kda::PrepArgs a{};
+  a.q = q.data_ptr();
+  a.k = k.data_ptr();
+  a.g = static_cast<const float*>(g.data_ptr());
+  a.beta = beta.data_ptr();
+  a.chunks = static_cast<const int32_t*>(chunks.data_ptr());
+  a.nchunk = static_cast<int>(chunks.size(0));
+  a.H = static_cast<int>(H);
+  a.scale = static_cast<float>(scale);
+  a.ws = ws.data_ptr();
+  raise_on(kda::launch_staged_prep(a, stream_of(q)), "kda staged_prep launch");
+}
+
+kda::WalkArgs walk_args(const TensorView& v, const TensorView& ws, const TensorView& segs, int64_t nrec) {
+  const int dev = v.device().device_id;
+  TVM_FFI_CHECK(v.ndim() == 3, ValueError) << "v must be [T, H, 128]";
+  check_thd(v, "v", v.size(0), v.size(1), kDLBfloat, 16, dev);
+  check_table(segs, "segment table", 8, dev);
+  TVM_FFI_CHECK(segs.size(0) <= 65535 && v.size(1) <= 65535, ValueError) << "too many segments or heads";
+  check_ws(ws, nrec * v.size(1), dev);
+  kda::WalkArgs a{};
+  a.v = v.data_ptr();
+  a.ws = ws.data_ptr();
+  a.segs = static_cast<const int32_t*>(segs.data_ptr());
+  a.nseg = static_cast<int>(segs.size(0));
+  a.H = static_cast<int>(v.size(1));
+  return a;
+}
+
+// o of the segments in segs (rows (tok_start, ntok, first record, idx, kind, ...)); nrec = chunk records
+// per head in ws; state_in [R,H,K,V] (numel 0 = none); sin [slots,H,K,V] (numel 0 = none).
+void staged_walk_output(TensorView v, TensorView ws, TensorView segs, int64_t nrec, TensorView state_in,
+                        TensorView sin, TensorView o, int64_t warps) {
+  kda::WalkArgs a = walk_args(v, ws, segs, nrec);
+  const int dev = v.device().device_id;
+  const int64_t H = v.size(1);
+  check_thd(o, "o", v.size(0), H, kDLBfloat, 16, dev);
+  if (state_in.numel() > 0) {
+    check_state(state_in, "state_in", H, dev);
+    a.state_in = static_cast<const float*>(state_in.data_ptr());
+  }
+  if (sin.numel() > 0) {
+    check_state(sin, "segment states", H, dev);
+    a.sin = static_cast<const float*>(sin.data_ptr());
+  }
+  a.o = o.data_ptr();
+  TVM_FFI_CHECK(warps == 2 || warps == 4 || warps == 8, ValueError) << "warps must be 2, 4 or 8";
+  raise_on(kda::launch_staged_walk_output(a, static_cast<int>(warps), stream_of(v)), "kda staged_walk_output launch");
+}
+
+// Summaries (M, E) from a zero state of the segments in segs (idx = output slot).
+void staged_walk_summary(TensorView v, TensorView ws, TensorView segs, int64_t nrec, TensorView m_out,
+                         TensorView e_out, int64_t warps) {
+  kda::WalkArgs a = walk_args(v, ws, segs, nrec);
+  const int dev = v.device().device_id;
+  const int64_t H = v.size(1);
+  check_state(m_out, "M", H, dev);
+  check_state(e_out, "E", H, dev);
+  TVM_FFI_CHECK(m_out.size(0) == e_out.size(0), ValueError) << "M and E must have the same length";
+  a.m_out = static_cast<float*>(m_out.data_ptr());
+  a.e_out = static_cast<float*>(e_out.data_ptr());
+  TVM_FFI_CHECK(warps == 2 || warps == 4 || warps == 8, ValueError) << "warps must be 2, 4 or 8";
+  raise_on(kda::launch_staged_walk_summary(a, static_cast<int>(warps), stream_of(v)),
+           "kda staged_walk_summary launch");
+}
+
+int64_t staged_record_bytes() { return kda::kStagedRecordBytes; }
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(staged_prep, staged_prep);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(staged_walk_output, staged_walk_output);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(staged_walk_summary, staged_walk_summary);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(staged_record_bytes, staged_record_bytes);

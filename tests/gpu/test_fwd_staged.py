@@ -1,0 +1,253 @@
+"""GPU tests of the staged forward v4 (kda_kcp.cuda.staged). Each skips, with its reason, without an sm_90+ GPU.
+
+Same checks as test_fwd_cuda.py: FP64 oracle on random packed batches (inputs drawn fresh each run, seed
+printed, outputs poisoned with NaN), bitwise repeat (3 calls, 2 processes), segmentations and KCP pieces,
+summaries and state_in against the torch backend, and agreement with v3 (kda_kcp.cuda.CudaBackend).
+The walk widths KDA_KCP_V4_WARPS = 2 and 8 are checked against the oracle too (H = 4, 16; default 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU: the staged forward tests need one", allow_module_level=True)
+if torch.cuda.get_device_capability() not in ((9, 0), (10, 0), (10, 3)):
+    pytest.skip(
+        f"{torch.cuda.get_device_name()} is sm_{''.join(map(str, torch.cuda.get_device_capability()))}: "
+        "the kernels are built for sm_90a / sm_100a / sm_103a",
+        allow_module_level=True,
+    )
+
+from kda_kcp.cuda import CudaBackend  # noqa: E402
+from kda_kcp.cuda.staged import StagedBackend, staged_tables  # noqa: E402
+from kda_kcp.plan import LocalPlan, build_plan  # noqa: E402
+from kda_kcp.reference import naive_kda  # noqa: E402
+from kda_kcp.torch_backend import TorchBackend  # noqa: E402
+
+DEV = torch.device("cuda")
+SEED = int(os.environ.get("KDA_TEST_SEED", str(int(time.time() * 1000) % 2**31)))
+print(f"[test_fwd_staged] seed {SEED}")
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(T, H, gen, gate="mixed", device=DEV):
+    q = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
+    v = torch.randn(T, H, 128, generator=gen).bfloat16()
+    if gate == "mixed":  # -5 sigmoid(x), plus slow channels and the extreme gate
+        g = -5 * torch.sigmoid(torch.randn(T, H, 128, generator=gen) * 2 - 1)
+        slow = torch.rand(1, H, 128, generator=gen) < 0.25
+        g = torch.where(slow, -0.02 * torch.rand(T, H, 128, generator=gen), g)
+    else:
+        g = -5 * torch.rand(T, H, 128, generator=gen)
+    g = g.clamp(-5.0, -1e-6)
+    if T > 3:
+        g[T // 3] = -5.0
+    beta = (0.05 + 0.9 * torch.rand(T, H, generator=gen)).bfloat16()
+    return [x.to(device) for x in (q, k, v, g.float(), beta)]
+
+
+def local_plan(cu):
+    T = cu[-1]
+    kp = build_plan(cu, [[(0, T)]])
+    return LocalPlan(T, kp.rank_runs[0])
+
+
+def random_docs(total, gen, lo=1, hi=5000):
+    lens = [1, 63, 64, 65]
+    while sum(lens) < total:
+        lens.append(int(torch.randint(lo, hi + 1, (1,), generator=gen)))
+    lens.insert(2, 0)  # a zero-length document
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def poison(shape, dtype):
+    """Fill the caching allocator's next block of this size with NaN, so an unwritten output shows."""
+    x = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    del x
+
+
+def run_fwd(be, inputs, scale, plan, state_in=None):
+    poison(inputs[0].shape, torch.bfloat16)
+    return be.fwd_output(*inputs, scale, plan, state_in)
+
+
+_ORACLE: dict = {}
+
+
+@pytest.mark.parametrize("H,total,warps", [(1, 12000, "4"), (4, 12000, "4"), (16, 8000, "4"), (64, 4000, "4"),
+                                           (4, 12000, "2"), (4, 12000, "8"), (16, 8000, "2"), (16, 8000, "8")])
+def test_fwd_matches_fp64_oracle(H, total, warps, monkeypatch):
+    monkeypatch.setenv("KDA_KCP_V4_WARPS", warps)
+    if (H, total) not in _ORACLE:  # one batch and one FP64 oracle per shape, shared by the walk widths
+        gen = torch.Generator().manual_seed(SEED + H)
+        cu = random_docs(total, gen)
+        inputs = make_inputs(cu[-1], H, gen, gate="mixed" if H != 4 else "uniform")
+        _ORACLE[(H, total)] = (cu, inputs, naive_kda(*inputs, cu, scale=128**-0.5))
+    cu, inputs, ref = _ORACLE[(H, total)]
+    plan = local_plan(cu)
+    scale = 128**-0.5
+    o = run_fwd(StagedBackend(), inputs, scale, plan)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o.float()).all(), "unwritten or non-finite output"
+    err = rel(o, ref)
+    tabs = staged_tables(plan, H, DEV)
+    print(f"v4 warps={warps} H={H} T={cu[-1]} docs={len(cu) - 1} segments={tabs.out.shape[0]} "
+          f"(L={tabs.seg_chunks}) o rel-RMS vs FP64 = {err:.3e}")
+    assert err <= 4e-3
+
+
+def test_fwd_benchmark_slice():
+    """Slices of the benchmark batch's documents (first 2048 tokens of each of the 4), H = 4."""
+    gen = torch.Generator().manual_seed(SEED + 7)
+    cu = [0, 2048, 4096, 6144, 8192]
+    inputs = make_inputs(8192, 4, gen)
+    plan = local_plan(cu)
+    o = run_fwd(StagedBackend(), inputs, 128**-0.5, plan)
+    ref = naive_kda(*inputs, cu)
+    err = rel(o, ref)
+    print(f"v4 benchmark slice o rel-RMS vs FP64 = {err:.3e}")
+    assert err <= 4e-3
+
+
+def test_matches_v3():
+    gen = torch.Generator().manual_seed(SEED + 9)
+    cu = [0, 3000, 3001, 9000, 9100]
+    inputs = make_inputs(cu[-1], 4, gen)
+    plan = local_plan(cu)
+    o4 = run_fwd(StagedBackend(), inputs, 128**-0.5, plan)
+    o3 = run_fwd(CudaBackend(), inputs, 128**-0.5, plan)
+    d = rel(o4, o3)
+    print(f"v4 vs v3: {d:.2e}")
+    assert d <= 4e-3
+
+
+def test_segmentations_agree(monkeypatch):
+    """Segments of 1 chunk, 3 chunks and whole runs (summaries + fold vs a plain walk)."""
+    gen = torch.Generator().manual_seed(SEED + 11)
+    cu = [0, 3000, 3001, 7000]
+    inputs = make_inputs(7000, 4, gen, gate="mixed")
+    outs = {}
+    for n in ("1", "3", "100000"):
+        monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", n)
+        outs[n] = run_fwd(StagedBackend(), inputs, 128**-0.5, local_plan(cu))
+    for n in ("1", "3"):
+        d = rel(outs[n], outs["100000"])
+        print(f"v4 segments of {n} chunk(s) vs unsplit: {d:.2e}")
+        assert d <= 1e-3
+
+
+def test_bitwise_repeat_and_two_processes():
+    gen = torch.Generator().manual_seed(1234)
+    cu = [0, 5000, 5001, 9000]
+    inputs = make_inputs(9000, 4, gen)
+    plan = local_plan(cu)
+    be = StagedBackend()
+    outs = [run_fwd(be, inputs, 128**-0.5, plan) for _ in range(3)]
+    for o in outs[1:]:
+        assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
+    digest = hashlib.sha256(outs[0].cpu().view(torch.int16).numpy().tobytes()).hexdigest()
+    script = textwrap.dedent(
+        f"""
+        import hashlib, torch, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.gpu.test_fwd_staged import make_inputs, local_plan
+        from kda_kcp.cuda.staged import StagedBackend
+        gen = torch.Generator().manual_seed(1234)
+        inputs = make_inputs(9000, 4, gen)
+        o = StagedBackend().fwd_output(*inputs, 128 ** -0.5, local_plan([0, 5000, 5001, 9000]))
+        print(hashlib.sha256(o.cpu().view(torch.int16).numpy().tobytes()).hexdigest())
+        """
+    )
+    env = dict(os.environ, KDA_TEST_SEED="1")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == digest
+
+
+def _fold(sources, H):
+    S = torch.zeros(H, 128, 128, dtype=torch.float64, device=DEV)
+    for m, e in sources:
+        S = m.double() @ S + e.double()
+    return S.float()
+
+
+@pytest.mark.parametrize("gate", ["uniform", "mixed"])
+@pytest.mark.parametrize("W", [2, 3])
+def test_kcp_pieces_on_one_gpu(W, gate):
+    """Split into W contiguous pieces, publish summaries, fold, re-run: o matches the unsplit v4 run."""
+    gen = torch.Generator().manual_seed(SEED + 100 + W)
+    cu = [0, 1500, 1501, 6000, 6100]
+    T = cu[-1]
+    H = 4
+    inputs = make_inputs(T, H, gen, gate=gate)
+    scale = 128**-0.5
+    be = StagedBackend()
+    ref = run_fwd(be, inputs, scale, local_plan(cu))
+    bounds = [round(T * i / W) for i in range(W + 1)]
+    kp = build_plan(cu, [[(bounds[i], bounds[i + 1])] for i in range(W)])
+    for name, backend in (("v4", be), ("torch", TorchBackend())):
+        published = []
+        for w in range(W):
+            s, e = bounds[w], bounds[w + 1]
+            loc = [x[s:e].contiguous() for x in inputs]
+            plan = LocalPlan(e - s, kp.rank_runs[w])
+            published.append(backend.fwd_summaries(*loc, scale, plan, kp.fwd_publish[w]))
+        outs = []
+        for w in range(W):
+            s, e = bounds[w], bounds[w + 1]
+            loc = [x[s:e].contiguous() for x in inputs]
+            plan = LocalPlan(e - s, kp.rank_runs[w])
+            states = [_fold([(published[r][0][i], published[r][1][i]) for r, i in srcs], H)
+                      for srcs in kp.fwd_sources[w]]
+            state_in = torch.stack(states) if states else None
+            outs.append(run_fwd(backend, loc, scale, plan, state_in) if name == "v4"
+                        else backend.fwd_output(*loc, scale, plan, state_in))
+        d = rel(torch.cat(outs), ref)
+        print(f"v4 W={W} gates={gate} {name} pieces vs unsplit v4: {d:.2e}")
+        # the same bounds as test_fwd_cuda.py (v3 misses 1e-3 for 'mixed' gates: NOTES.md, Kg/Qg single bf16)
+        assert d <= 1e-3 if name == "v4" else d <= 4e-3
+
+
+def test_summaries_match_torch_backend():
+    gen = torch.Generator().manual_seed(SEED + 200)
+    cu = [0, 700, 701, 4000]
+    inputs = make_inputs(4000, 4, gen, gate="mixed")
+    plan = local_plan(cu)
+    runs = tuple(range(plan.num_runs))
+    M, E = StagedBackend().fwd_summaries(*inputs, 128**-0.5, plan, runs)
+    Mt, Et = TorchBackend().fwd_summaries(*inputs, 128**-0.5, plan, runs)
+    em, ee = rel(M, Mt.float()), rel(E, Et.float())
+    print(f"v4 summaries vs torch backend: M {em:.2e}  E {ee:.2e}")
+    assert torch.isfinite(M).all() and torch.isfinite(E).all()
+    assert em <= 4e-3 and ee <= 4e-3
+
+
+def test_state_in_matches_torch_backend():
+    gen = torch.Generator().manual_seed(SEED + 300)
+    cu = [0, 2000, 2100, 5000]
+    H = 4
+    inputs = make_inputs(5000, H, gen)
+    plan = local_plan(cu)
+    state_in = 0.1 * torch.randn(plan.num_runs, H, 128, 128, device=DEV)
+    o = run_fwd(StagedBackend(), inputs, 128**-0.5, plan, state_in)
+    ot = TorchBackend().fwd_output(*inputs, 128**-0.5, plan, state_in)
+    d = rel(o, ot)
+    print(f"v4 with state_in vs torch backend: {d:.2e}")
+    assert d <= 4e-3

@@ -1,0 +1,206 @@
+"""CPU emulation (torch, FP32) of the v4 staged forward's tiling: the (chunk, head) records, the V-tiled
+walks over the segment tables that ``kda_kcp.cuda.staged`` hands the kernels, the [M | E] summary tiles,
+the FP32 fold along the merge chains and the whole-run composition. Checked against the torch backend.
+
+It runs without a GPU (seconds): it tests the host logic and the algebra of the tiling, not the kernels'
+fragments or their bf16 rounding (tests/gpu/test_fwd_staged.py does that on the device).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kda_kcp.cuda.staged import CHUNK, choose_segment_chunks_v4, model_time, staged_tables
+from kda_kcp.plan import LocalPlan, build_plan
+from kda_kcp.torch_backend import TorchBackend
+
+D = 128
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def local_plan(cu):
+    T = cu[-1]
+    kp = build_plan(cu, [[(0, T)]])
+    return LocalPlan(T, kp.rank_runs[0])
+
+
+def make_inputs(T, H, gen, dk=D):
+    q = torch.nn.functional.normalize(torch.randn(T, H, dk, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(T, H, dk, generator=gen), dim=-1)
+    v = torch.randn(T, H, dk, generator=gen)
+    g = (-5 * torch.sigmoid(torch.randn(T, H, dk, generator=gen) * 2 - 1)).clamp(-5.0, -1e-6)
+    slow = torch.rand(1, H, dk, generator=gen) < 0.25
+    g = torch.where(slow, -0.02 * torch.rand(T, H, dk, generator=gen), g)
+    beta = 0.05 + 0.9 * torch.rand(T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def records(q, k, v, g, beta, scale, chunks):
+    """What the prep kernel writes per (chunk, head), in FP32: dict of [N, H, ...] tensors."""
+    C = CHUNK
+    N = chunks.shape[0]
+    T, H, K = q.shape
+    idx = torch.full((N, C), T, dtype=torch.long)
+    for c, (t0, n) in enumerate(chunks.tolist()):
+        idx[c, :n] = torch.arange(t0, t0 + n)
+
+    def gather(x):
+        pad = torch.cat([x, x.new_zeros(1, *x.shape[1:])], 0)
+        return pad[idx].movedim(1, 2)  # [N, H, C, ...]
+
+    qc, kc, vc, gc = gather(q), gather(k), gather(v), gather(g)
+    bc = gather(beta.unsqueeze(-1)).squeeze(-1)
+    G = gc.cumsum(2)
+    lower = torch.tril(torch.ones(C, C, dtype=torch.bool))
+    diff = G.unsqueeze(3) - G.unsqueeze(2)  # [N, H, C(i), C(j), K]: G_i - G_j
+    E = torch.where(lower[..., None], diff, torch.full_like(diff, -float("inf"))).exp()
+    kk = torch.einsum("nhid,nhjd,nhijd->nhij", kc, kc, E)
+    qk = torch.einsum("nhid,nhjd,nhijd->nhij", qc, kc, E)
+    strict = torch.tril(torch.ones(C, C), -1)
+    L = bc.unsqueeze(-1) * kk * strict
+    A = torch.linalg.inv(torch.eye(C) + L)
+    Ab = A * bc.unsqueeze(-2)
+    Aqk = scale * qk * lower
+    W = Ab @ (kc * G.exp())
+    Qg = scale * qc * G.exp()
+    Kg = kc * (G[:, :, -1:, :] - G).exp()
+    gam = G[:, :, -1, :].exp()
+    return dict(W=W, Qg=Qg, Kg=Kg, Aqk=Aqk, Ab=Ab, gam=gam, V=vc)
+
+
+def walk_tile(rec, seg, h, cols, S, with_u, out=None, H=None):
+    """One CTA: the chunks of a segment for state columns `cols` (S [K, len(cols)]), FP32."""
+    t0, ntok, c0 = seg[0], seg[1], seg[2]
+    for ch in range(math.ceil(ntok / CHUNK)):
+        c = c0 + ch
+        U = rec["Ab"][c, h] @ rec["V"][c, h][:, cols] if with_u else torch.zeros(CHUNK, len(cols))
+        Vn = U - rec["W"][c, h] @ S
+        if out is not None:
+            O = rec["Qg"][c, h] @ S + rec["Aqk"][c, h] @ Vn
+            n = min(CHUNK, ntok - ch * CHUNK)
+            tok = t0 + ch * CHUNK
+            out[tok:tok + n, h][:, cols] = O[:n]
+        S = rec["gam"][c, h][:, None] * S + rec["Kg"][c, h].T @ Vn
+    return S
+
+
+def emulate_summaries(rec, segs, nslots, H, tile=64):
+    """The summary walk: every (segment, head, tile of the 256 columns [M | E])."""
+    M = torch.zeros(nslots, H, D, D)
+    E = torch.zeros(nslots, H, D, D)
+    for seg in segs.tolist():
+        for h in range(H):
+            for vb in range(0, 2 * D, tile):
+                cols = list(range(vb % D, vb % D + tile))
+                isE = vb >= D
+                S0 = torch.zeros(D, tile) if isE else torch.eye(D)[:, cols]
+                S = walk_tile(rec, seg, h, cols, S0, with_u=isE)
+                (E if isE else M)[seg[3], h][:, cols] = S
+    return M, E
+
+
+def emulate_fwd_output(q, k, v, g, beta, scale, plan, state_in=None, sms=132, tile=64):
+    T, H, _ = q.shape
+    tabs = staged_tables(plan, H, "cpu", sms=sms)
+    rec = records(q, k, v, g, beta, scale, tabs.chunks)
+    sin = torch.zeros(tabs.num_sin, H, D, D)
+    if tabs.num_summary:
+        M, E = emulate_summaries(rec, tabs.summary, tabs.num_summary, H, tile)
+        for first, cnt, init, out0 in tabs.chains.tolist():  # the merge_fold chains
+            S = state_in[init].clone() if state_in is not None else torch.zeros(H, D, D)
+            for j in range(cnt):
+                S = M[first + j] @ S + E[first + j]
+                sin[out0 + j] = S
+    o = torch.full((T, H, D), float("nan"))
+    for seg in tabs.out.tolist():
+        idx, kind = seg[3], seg[4]
+        for h in range(H):
+            for vb in range(0, D, tile):
+                cols = list(range(vb, vb + tile))
+                if kind == 1:
+                    S0 = sin[idx, h][:, cols].clone()
+                elif state_in is not None:
+                    S0 = state_in[idx, h][:, cols].clone()
+                else:
+                    S0 = torch.zeros(D, tile)
+                walk_tile(rec, seg, h, cols, S0, with_u=True, out=o)
+    return o, tabs
+
+
+def emulate_fwd_summaries(q, k, v, g, beta, scale, plan, run_ids, sms=132):
+    H = q.shape[1]
+    tabs = staged_tables(plan, H, "cpu", run_ids=run_ids, sms=sms)
+    rec = records(q, k, v, g, beta, scale, tabs.chunks)
+    M, E = emulate_summaries(rec, tabs.summary, tabs.num_summary, H)
+    Mo = torch.zeros(len(run_ids), H, D, D)
+    Eo = torch.zeros(len(run_ids), H, D, D)
+    for first, cnt, _, out in tabs.chains.tolist():  # the merge_compose chains
+        Mc, Ec = torch.eye(D).expand(H, D, D).clone(), torch.zeros(H, D, D)
+        for j in range(cnt):
+            Mc, Ec = M[first + j] @ Mc, M[first + j] @ Ec + E[first + j]
+        Mo[out], Eo[out] = Mc, Ec
+    return Mo, Eo, tabs
+
+
+@pytest.mark.parametrize("seg_chunks,sms", [("", 132), ("", 1), ("1", 132), ("3", 132)])
+def test_emulated_output_matches_torch_backend(monkeypatch, seg_chunks, sms):
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", seg_chunks)
+    gen = torch.Generator().manual_seed(5)
+    cu = [0, 1, 64, 64, 450, 700]  # a 1-token run, a full chunk, a zero-length document, ragged ends
+    H = 2
+    q, k, v, g, beta = make_inputs(cu[-1], H, gen)
+    plan = local_plan(cu)
+    state_in = 0.1 * torch.randn(plan.num_runs, H, D, D, generator=gen)
+    for st in (None, state_in):
+        o, tabs = emulate_fwd_output(q, k, v, g, beta, 128**-0.5, plan, st, sms=sms)
+        ref = TorchBackend().fwd_output(q, k, v, g, beta, 128**-0.5, plan, st)
+        assert torch.isfinite(o).all(), "a row of o was not written by any tile"
+        err = rel(o, ref)
+        print(f"seg_chunks={seg_chunks or 'model'} (L={tabs.seg_chunks}) sms={sms} state_in={st is not None}: "
+              f"{tabs.out.shape[0]} output segments, {tabs.num_summary} summaries, rel {err:.2e}")
+        assert err < 2e-5
+
+
+def test_emulated_summaries_match_torch_backend(monkeypatch):
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "2")
+    gen = torch.Generator().manual_seed(6)
+    cu = [0, 300, 300, 520]
+    H = 1
+    q, k, v, g, beta = make_inputs(cu[-1], H, gen)
+    plan = local_plan(cu)
+    runs = tuple(range(plan.num_runs))
+    M, E, tabs = emulate_fwd_summaries(q, k, v, g, beta, 128**-0.5, plan, runs)
+    Mt, Et = TorchBackend().fwd_summaries(q, k, v, g, beta, 128**-0.5, plan, runs)
+    em, ee = rel(M, Mt), rel(E, Et)
+    print(f"summaries ({tabs.num_summary} segments): M {em:.2e}, E {ee:.2e}")
+    assert em < 2e-5 and ee < 2e-5
+
+
+def test_segment_choice_is_pure_and_covers_runs():
+    doc_chunks = [math.ceil(n / CHUNK) for n in (42024, 57573, 73122, 88673)]
+    for H in (4, 16, 64):
+        L = choose_segment_chunks_v4(doc_chunks, H, 132)
+        assert L == choose_segment_chunks_v4(doc_chunks, H, 132)
+        t1 = model_time(doc_chunks, H, 132, max(doc_chunks))
+        tL = model_time(doc_chunks, H, 132, L)
+        print(f"H={H}: segment {L} chunks, model {tL:.0f} steps (unsegmented {t1:.0f})")
+        assert tL <= t1
+    cu = [0, 5000, 5000, 9000, 9001]
+    plan = local_plan(cu)
+    tabs = staged_tables(plan, 4, "cpu", sms=8)
+    covered = sorted((r[0], r[1]) for r in tabs.out.tolist())
+    tok = 0
+    for t0, n in covered:
+        assert t0 == tok
+        tok += n
+    assert tok == cu[-1]
+    # every output segment's first chunk record holds its first token
+    for r in tabs.out.tolist():
+        assert tabs.chunks[r[2], 0].item() == r[0]
