@@ -39,20 +39,27 @@ from tests.gpu.test_fwd_staged import make_inputs, local_plan, rel
 from kda_kcp.cuda.staged import fwd_output
 from kda_kcp.reference import naive_kda
 gen = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+import os
 cu = [0, 1, 65, 65, 700, 2300]
 inputs = make_inputs(cu[-1], 2, gen)
-o = fwd_output(*inputs, 128 ** -0.5, local_plan(cu))
-torch.cuda.synchronize()
-err = rel(o, naive_kda(*inputs, cu, scale=128 ** -0.5))
-print(f"smoke: finite={bool(torch.isfinite(o.float()).all())} o rel-RMS vs FP64 = {err:.3e}")
-sys.exit(0 if err <= 4e-3 else 1)
+ref = naive_kda(*inputs, cu, scale=128 ** -0.5)
+ok = True
+for warps, seg in (("4", ""), ("4", "2"), ("2", "3"), ("8", "1")):  # default, then segmented (summaries + fold)
+    os.environ["KDA_KCP_V4_WARPS"], os.environ["KDA_KCP_SEG_CHUNKS"] = warps, seg
+    o = fwd_output(*inputs, 128 ** -0.5, local_plan(cu))
+    torch.cuda.synchronize()
+    err = rel(o, ref)
+    fin = bool(torch.isfinite(o.float()).all())
+    ok = ok and fin and err <= 4e-3
+    print(f"smoke: warps={warps} seg_chunks={seg or 'model'} finite={fin} o rel-RMS vs FP64 = {err:.3e}")
+sys.exit(0 if ok else 1)
 PY
 for st in "${stages[@]}"; do
   echo "== $st ($(left) s left)"
   case "$st" in
     smoke)
       timeout 240 python3 /tmp/v4_smoke.py 2>&1 | tee "$OUT/smoke.log" | tail -20
-      rc=$?; summary="$summary\nsmoke: $(grep smoke: "$OUT/smoke.log" | tail -1) rc=$rc"
+      rc=$?; summary="$summary\n$(grep smoke: "$OUT/smoke.log" | tr '\n' ';') rc=$rc"
       if [ $rc -ne 0 ]; then echo "smoke failed: stopping"; stages=(); break; fi;;
     tests)
       timeout $(( $(left) < 240 ? $(left) : 240 )) python3 -m pytest -q -s tests/gpu/test_fwd_staged.py \
