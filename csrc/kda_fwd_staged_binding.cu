@@ -28,7 +28,8 @@ void check_thd(const TensorView& t, const char* name, int64_t T, int64_t H, int 
   check_cuda(t, name, dev);
   TVM_FFI_CHECK(t.ndim() == 3 && t.size(0) == T && t.size(1) == H && t.size(2) == kD, ValueError)
       << name << " must be [T, H, 128]";
-  TVM_FFI_CHECK(is_dtype(t, code, bits), TypeError) << name << (code == kDLFloat ? " must be float32" : " must be bfloat16");
+  TVM_FFI_CHECK(is_dtype(t, code, bits), TypeError)
+      << name << (code == kDLFloat ? " must be float32" : " must be bfloat16");
 }
 
 void check_table(const TensorView& t, const char* name, int cols, int dev) {

@@ -1,5 +1,5 @@
-"""CUDA backend: the forward kernels of csrc/ (loaded through kda_kcp.jit); the backward delegates to the
-torch backend until its kernels exist.
+"""CUDA backend: the forward (csrc/kda_fwd.cu) and backward (csrc/kda_bwd.cu) kernels, loaded through
+kda_kcp.jit.
 
 Tensors: q, k, v bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
 indexed [run, head, key, value]; summaries (M [n, H, K, K], E [n, H, K, V]) with S_next = M @ S + E.
@@ -52,6 +52,9 @@ class CudaBackend:
         """Load (prebuilt or JIT-build) the programs for ``device`` now, so that a missing compiler or
         arch build surfaces at backend selection (KernelBuildError), not inside a call."""
         _module(device)
+        from .backward import load
+
+        load(device)
 
     # ---------------- forward ----------------
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
@@ -95,13 +98,13 @@ class CudaBackend:
         mod.merge_compose(m, e, chains, M, E)
         return M, E
 
-    # ---------------- backward: the torch backend for now ----------------
+    # ---------------- backward (csrc/kda_bwd.cu through .backward) ----------------
     def bwd_summaries(self, q, k, v, g, beta, do, scale, plan, run_ids):
-        from ..torch_backend import TorchBackend
+        from .backward import bwd_summaries
 
-        return TorchBackend().bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids)
+        return bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids)
 
     def bwd_grads(self, q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None):
-        from ..torch_backend import TorchBackend
+        from .backward import bwd_grads
 
-        return TorchBackend().bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out)
+        return bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out, self.deterministic)

@@ -234,7 +234,8 @@ def _tri_gather(X):
 def _tri_scatter(flat):
     X = flat.new_zeros(*flat.shape[:-1], 64, 64)
     for b, (I, J) in enumerate(TRI_BLOCKS):
-        X[..., 16 * I:16 * I + 16, 16 * J:16 * J + 16] = flat[..., b * 256:(b + 1) * 256].reshape(*flat.shape[:-1], 16, 16)
+        blk = flat[..., b * 256:(b + 1) * 256]
+        X[..., 16 * I:16 * I + 16, 16 * J:16 * J + 16] = blk.reshape(*flat.shape[:-1], 16, 16)
     return X
 
 
