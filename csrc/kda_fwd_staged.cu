@@ -166,16 +166,19 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
   // ---- loads straight to registers (rows past the chunk's end read as zero) ----
   float G0[16], G1[16];
   uint32_t kk[16];
+  const int64_t off0 = ((tok + rq * 16) * H + h) * D + d0;  // row 16 rq of this thread's columns
+  const int rstride = H * D;                                 // elements per token row (< 2^31)
+  const float* gp = a.g + off0;
+  const __nv_bfloat16* kp = k + off0;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int j = rq * 16 + i;
     const bool ok = j < nrows;
-    const int64_t off = ((tok + j) * H + h) * D + d0;
     float2 gg = make_float2(0.f, 0.f);
     uint32_t kv = 0u;
     if (ok) {
-      gg = __ldg(reinterpret_cast<const float2*>(a.g + off));
-      kv = __ldg(reinterpret_cast<const unsigned int*>(k + off));
+      gg = __ldg(reinterpret_cast<const float2*>(gp + i * rstride));
+      kv = __ldg(reinterpret_cast<const unsigned int*>(kp + i * rstride));
     }
     G0[i] = gg.x;
     G1[i] = gg.y;
@@ -219,7 +222,7 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int j = rq * 16 + i;
-      qq[i] = (j < nrows) ? __ldg(reinterpret_cast<const unsigned int*>(q + ((tok + j) * H + h) * D + d0)) : 0u;
+      qq[i] = (j < nrows) ? __ldg(reinterpret_cast<const unsigned int*>(q + off0 + i * rstride)) : 0u;
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
