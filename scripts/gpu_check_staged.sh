@@ -7,7 +7,7 @@
 #   bench      benchmarks/bench_fwd_staged.py: v3, v4 and FLA at H = $HEADS (default "4 16 64"),
 #              v4 walk widths $WARPS (default "4 2 8"), v4 segment lengths $SEGS (default "0 100000": the
 #              model's choice and unsegmented), v4 stage times; JSON and log under $OUT
-#   sanitize   compute-sanitizer memcheck and racecheck on one small v4 call
+#   sanitize   compute-sanitizer memcheck, racecheck, initcheck on the smoke's v4 calls (as time allows)
 # Logs go under $OUT; a short table comes last.
 # Device command (from the repository root, carry [".whl", ".build/v4/prebuilt", ".build/triton-cache.tgz"]):
 #   bash scripts/gpu_check_staged.sh
@@ -72,7 +72,8 @@ for st in "${stages[@]}"; do
       (cd ~/.triton 2>/dev/null && tar czf "$OUT/triton-cache.tgz" cache 2>/dev/null);;
     sanitize)
       if [ "$(left)" -lt 60 ]; then echo "no time left for sanitize"; continue; fi
-      for tool in memcheck racecheck; do
+      for tool in memcheck racecheck initcheck; do
+        if [ "$(left)" -lt 30 ]; then echo "no time left for $tool"; continue; fi
         timeout $(( $(left) - 10 )) compute-sanitizer --tool $tool --print-limit 20 python3 /tmp/v4_smoke.py 5 \
           > "$OUT/sanitize_$tool.log" 2>&1
         echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|smoke:' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
