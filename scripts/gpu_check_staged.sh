@@ -40,17 +40,18 @@ from kda_kcp.cuda.staged import fwd_output
 from kda_kcp.reference import naive_kda
 gen = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
 import os
-cu = [0, 1, 65, 65, 700, 2300]
+sanitize = os.environ.get("SMOKE_SANITIZE") == "1"  # small batch, no FP64 oracle (thousands of launches)
+cu = [0, 1, 65, 65, 300] if sanitize else [0, 1, 65, 65, 700, 2300]
 inputs = make_inputs(cu[-1], 2, gen)
-ref = naive_kda(*inputs, cu, scale=128 ** -0.5)
+ref = None if sanitize else naive_kda(*inputs, cu, scale=128 ** -0.5)
 ok = True
 for warps, seg in (("4", ""), ("4", "2"), ("2", "3"), ("8", "1")):  # default, then segmented (summaries + fold)
     os.environ["KDA_KCP_V4_WARPS"], os.environ["KDA_KCP_SEG_CHUNKS"] = warps, seg
     o = fwd_output(*inputs, 128 ** -0.5, local_plan(cu))
     torch.cuda.synchronize()
-    err = rel(o, ref)
+    err = rel(o, ref) if ref is not None else float("nan")
     fin = bool(torch.isfinite(o.float()).all())
-    ok = ok and fin and err <= 4e-3
+    ok = ok and fin and (ref is None or err <= 4e-3)
     print(f"smoke: warps={warps} seg_chunks={seg or 'model'} finite={fin} o rel-RMS vs FP64 = {err:.3e}")
 sys.exit(0 if ok else 1)
 PY
@@ -74,7 +75,7 @@ for st in "${stages[@]}"; do
       if [ "$(left)" -lt 60 ]; then echo "no time left for sanitize"; continue; fi
       for tool in memcheck racecheck initcheck; do
         if [ "$(left)" -lt 30 ]; then echo "no time left for $tool"; continue; fi
-        timeout $(( $(left) - 10 )) compute-sanitizer --tool $tool --print-limit 20 python3 /tmp/v4_smoke.py 5 \
+        timeout $(( $(left) - 10 )) SMOKE_SANITIZE=1 compute-sanitizer --tool $tool --print-limit 20 python3 /tmp/v4_smoke.py 5 \
           > "$OUT/sanitize_$tool.log" 2>&1
         echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|smoke:' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
         summary="$summary\n$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
