@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DOCS = [42024, 57573, 73122, 88673]
 
-# ---- v4 cost model (NOTES_FWD_V4.md) ----
+# ---- v4 cost model (NOTES.md, staged forward v4) ----
 BW = 3.5e12  # B/s reached by streaming kernels (KINDS.md copy: ~4.3 TB/s)
 PREP_BYTES = 1026 + 1096  # per token-head: reads q, k, g, beta; writes the record
 WALK_DRAM_BYTES = 1096 + 256 + 256  # reads the record once (its V tiles hit L2), v; writes o

@@ -63,7 +63,7 @@ class Pairwise:
     BLOCK = 16
 
     def __init__(self, G: torch.Tensor):
-        C, K = G.shape[-2], G.shape[-1]
+        C = G.shape[-2]
         nb = -(-C // self.BLOCK)
         rows = torch.arange(C, device=G.device)
         anchor_row = (rows // self.BLOCK) * self.BLOCK

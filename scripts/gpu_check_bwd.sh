@@ -5,7 +5,7 @@
 # at H = 4, 16, 64. Logs go under $OUT; a short table is printed last.
 #
 #   carry: [".whl", ".build/bwd"]     (.build/bwd/sm_90a/kda_bwd.so from
-#          `python -m kda_kcp.cuda.backward --build sm_90a --out .build/bwd` on a machine with nvcc)
+#          `python scripts/build_prebuilt.py --arch sm_90a --program kda_bwd --out .build/bwd` on a machine with nvcc)
 #   usage: scripts/gpu_check_bwd.sh [tests] [sanitize] [bench-heads "4 16 64"] [bench]   (default: tests bench)
 set -o pipefail
 cd "$(dirname "$0")/.."

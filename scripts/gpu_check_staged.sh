@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the staged forward (v4): install the carried wheels, put the prebuilt .so files in
-# place (.build/v4/prebuilt/<arch>, built without a GPU as NOTES_FWD_V4.md says; NO_PREBUILT=1 JIT-builds
+# place (.build/v4/prebuilt/<arch>, built without a GPU as NOTES.md (staged forward v4) says; NO_PREBUILT=1 JIT-builds
 # here instead), then run the stages named as arguments (default: smoke tests bench sanitize):
 #   smoke      one small v4 call against the FP64 oracle (stops the script when it fails)
 #   tests      tests/gpu/test_fwd_staged.py and the CPU emulation

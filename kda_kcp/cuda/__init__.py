@@ -1,5 +1,9 @@
-"""CUDA backend: the forward (csrc/kda_fwd.cu) and backward (csrc/kda_bwd.cu) kernels, loaded through
-kda_kcp.jit.
+"""CUDA backend: the forward and backward kernels of csrc/, loaded through kda_kcp.jit.
+
+Forward: the staged v4 kernels (csrc/kda_fwd_staged.cu, ``.staged``: parallel chunk prep, V-tiled walks)
+by default; ``KDA_KCP_FWD_KERNEL=fused`` selects the fused v3 kernel (csrc/kda_fwd.cu), kept for
+comparison until v4 is measured at every head count (NOTES.md). Both use kda_fwd's FP32 affine merge.
+Backward: csrc/kda_bwd.cu through ``.backward``.
 
 Tensors: q, k, v bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
 indexed [run, head, key, value]; summaries (M [n, H, K, K], E [n, H, K, V]) with S_next = M @ S + E.
@@ -7,13 +11,23 @@ indexed [run, head, key, value]; summaries (M [n, H, K, K], E [n, H, K, V]) with
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from . import staged
 from .segments import forward_tables, summary_tables
 
 __all__ = ["CudaBackend"]
 
 _D = 128
+
+
+def _fused() -> bool:
+    kind = os.environ.get("KDA_KCP_FWD_KERNEL", "staged").strip().lower()
+    if kind not in ("staged", "fused"):
+        raise ValueError(f"KDA_KCP_FWD_KERNEL must be 'staged' or 'fused', got {kind!r}")
+    return kind == "fused"
 
 
 def _module(device):
@@ -52,12 +66,15 @@ class CudaBackend:
         """Load (prebuilt or JIT-build) the programs for ``device`` now, so that a missing compiler or
         arch build surfaces at backend selection (KernelBuildError), not inside a call."""
         _module(device)
+        staged.load_staged(device)
         from .backward import load
 
         load(device)
 
     # ---------------- forward ----------------
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
+        if not _fused():
+            return staged.fwd_output(q, k, v, g, beta, scale, plan, state_in)
         _check(q, k, v, g, beta)
         q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
         dev = q.device
@@ -81,6 +98,8 @@ class CudaBackend:
         return o
 
     def fwd_summaries(self, q, k, v, g, beta, scale, plan, run_ids):
+        if not _fused():
+            return staged.fwd_summaries(q, k, v, g, beta, scale, plan, run_ids)
         _check(q, k, v, g, beta)
         q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
         dev = q.device

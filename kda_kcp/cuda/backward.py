@@ -3,7 +3,7 @@
     bwd_grads      dq, dk, dv, dg, dbeta of every run from its incoming state and outgoing state gradient
     bwd_summaries  (M^T, F) of listed runs from a zero state gradient: dS_in = Mt dS_out + F
 
-Stages (v1, staged; NOTES_BWD.md): a prep kernel per (chunk, head) writes one 128.5 KiB record
+Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writes one 128.5 KiB record
 (W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma); a forward walk per
 (run, head, 64 value columns) writes h (the state entering each chunk, fp32); a reverse walk writes dh
 (the gradient of the state leaving each chunk, fp32) or the summaries; a gradient kernel per
@@ -16,146 +16,22 @@ indexed [run, head, key, value].
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import math
 import os
-import shutil
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-__all__ = ["bwd_grads", "bwd_summaries", "workspace_bytes", "saved_bytes", "PREP_BYTES", "build", "load"]
+__all__ = ["bwd_grads", "bwd_summaries", "workspace_bytes", "saved_bytes", "PREP_BYTES", "load"]
 
 _D = 128
 PREP_BYTES = 131584  # one prep record per (chunk, head); kda_bwd.h kPrepBytes
 STATE_BYTES = _D * _D * 4
 
-# the program, as build.json should list it (the lead adds it there; until then this spec builds it)
-PROGRAM = {
-    "name": "kda_bwd",
-    "package": "common",
-    "sources": ["csrc/kda_bwd.cu", "csrc/kda_bwd_binding.cu"],
-    "headers": ["csrc/kda_common.cuh", "csrc/kda_bwd.h"],
-    "flags": ["-lineinfo"],
-}
-
-_LOCK = threading.Lock()
-_LOADED: dict[str, object] = {}
-
-
-def _in_manifest() -> bool:
-    from .. import jit
-
-    try:
-        return any(p["name"] == PROGRAM["name"] for p in jit.manifest()["programs"])
-    except jit.KernelBuildError:
-        return False
-
-
-def _key(arch: str) -> str:
-    from .. import jit
-
-    root = jit._source_root()
-    h = hashlib.sha256()
-    for rel in sorted(set(PROGRAM["sources"]) | set(PROGRAM["headers"])):
-        h.update(rel.encode())
-        h.update((root / rel).read_bytes())
-    h.update(json.dumps(PROGRAM["flags"], sort_keys=True).encode())
-    h.update(arch.encode())
-    try:
-        import tvm_ffi
-
-        h.update(getattr(tvm_ffi, "__version__", "?").encode())
-    except ImportError:
-        pass
-    return h.hexdigest()[:20]
-
-
-def build(arch: str, out_dir) -> Path:
-    """Compile kda_bwd for ``arch`` into ``out_dir/kda_bwd.so`` (no GPU needed), the way jit.build_program
-    builds the programs of build.json."""
-    from .. import jit
-
-    out_dir = Path(out_dir)
-    jit._check_arch(arch)
-    nvcc = jit._find_nvcc()
-    if nvcc is None:
-        raise jit.KernelBuildError(
-            "no nvcc found to build the kda_kcp CUDA kernels (no prebuilt .so for this GPU). "
-            "Install the CUDA compiler with `pip install kda-kcp[jit]`, or set CUDA_HOME."
-        )
-    import tvm_ffi.cpp
-
-    root = jit._source_root()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-std=c++17", *PROGRAM["flags"]]
-    old = {v: os.environ.get(v) for v in ("CUDA_HOME", "TVM_FFI_CUDA_ARCH_LIST")}
-    home = Path(nvcc).parent.parent
-    os.environ["CUDA_HOME"] = str(home)
-    os.environ["TVM_FFI_CUDA_ARCH_LIST"] = jit._arch_list_value(arch)
-    ldflags = [f"-L{home / d}" for d in ("lib64", "lib", "targets/x86_64-linux/lib") if (home / d).is_dir()]
-    try:
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".kda_bwd-build-") as tmp:
-            lib = tvm_ffi.cpp.build(
-                PROGRAM["name"],
-                sources=[str(root / s) for s in PROGRAM["sources"]],
-                extra_cuda_cflags=flags,
-                extra_include_paths=[str(root / "csrc")],
-                extra_ldflags=ldflags,
-                build_directory=tmp,
-            )
-            final = out_dir / "kda_bwd.so"
-            shutil.copyfile(lib, out_dir / ".kda_bwd.so.tmp")
-            os.replace(out_dir / ".kda_bwd.so.tmp", final)
-    finally:
-        for var, val in old.items():
-            if val is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = val
-    return final
-
-
-def _path(arch: str) -> Path:
-    from .. import jit
-
-    prebuilt = jit._PKG / "prebuilt" / arch / "kda_bwd.so"
-    if prebuilt.exists() and os.environ.get("KDA_KCP_FORCE_JIT", "") != "1":
-        return prebuilt
-    key = _key(arch)
-    root = jit.cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    target = root / f"kda_bwd-{arch}-{key}"
-    so = target / "kda_bwd.so"
-    if so.exists():
-        return so
-    with open(root / f"kda_bwd-{arch}-{key}.lock", "w") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)
-        try:
-            if not so.exists():
-                build(arch, target)
-        finally:
-            fcntl.flock(lockf, fcntl.LOCK_UN)
-    return so
-
-
 def load(device=None):
-    """The tvm_ffi module of kda_bwd for the arch of ``device`` (cached per process)."""
-    from .. import jit
+    """The tvm_ffi module of kda_bwd (build.json) for the arch of ``device`` (kda_kcp.jit caches it)."""
+    from ..jit import load_program
 
-    if _in_manifest():
-        return jit.load_program(PROGRAM["name"], device)
-    arch = jit.arch_of_device(device)
-    with _LOCK:
-        if arch not in _LOADED:
-            import tvm_ffi
-
-            _LOADED[arch] = tvm_ffi.load_module(str(_path(arch)))
-        return _LOADED[arch]
+    return load_program("kda_bwd", device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -433,14 +309,3 @@ def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids):
     mod.bwd_prep(q, k, v, g, beta, chunks, prep, float(scale))
     mod.bwd_rev_summary(do, prep, chunks, runs, Mt, F)
     return Mt, F
-
-
-if __name__ == "__main__":  # python -m kda_kcp.cuda.backward --build sm_90a [sm_100a ...] --out DIR
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--build", nargs="+", required=True)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    for arch in args.build:
-        print(build(arch, Path(args.out) / arch))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StagedBackend", "fwd_output", "fwd_summaries", "choose_segment_chunks_v4", "staged_tables",
+__all__ = ["load_staged", "fwd_output", "fwd_summaries", "choose_segment_chunks_v4", "staged_tables",
            "RECORD_BYTES", "model_time"]
 
 CHUNK = 64
@@ -177,47 +177,11 @@ def staged_tables(plan, heads: int, device, run_ids=None, sms: int | None = None
     return tabs
 
 
-# ------------------------------------------------------------------------------------------------------
-# The program's build.json entry (kept here too so that the v4 forward loads before the manifest lists it).
-PROGRAM = {
-    "name": "kda_fwd_staged",
-    "package": "common",
-    "sources": ["csrc/kda_fwd_staged.cu", "csrc/kda_fwd_staged_binding.cu"],
-    "headers": ["csrc/kda_common.cuh", "csrc/kda_fwd_staged.h"],
-    "flags": ["-lineinfo"],
-}
-
-
-def _with_program(fn, *args):
-    """Run a kda_kcp.jit function with PROGRAM visible even when build.json does not list it yet."""
-    from .. import jit
-
-    try:
-        jit._program(PROGRAM["name"])
-        return fn(*args)
-    except jit.KernelBuildError:
-        pass
-    orig = jit._program
-    jit._program = lambda name: dict(PROGRAM) if name == PROGRAM["name"] else orig(name)
-    try:
-        return fn(*args)
-    finally:
-        jit._program = orig
-
-
 def load_staged(device=None):
-    from .. import jit
+    """The tvm_ffi module of kda_fwd_staged (build.json) for the arch of ``device``."""
+    from ..jit import load_program
 
-    return _with_program(jit.load_program, PROGRAM["name"], device)
-
-
-def build_staged(arch: str, out_dir):
-    """Compile the program for ``arch`` into ``out_dir`` without a GPU (returns the .so path)."""
-    from pathlib import Path
-
-    from .. import jit
-
-    return _with_program(jit.build_program, PROGRAM["name"], arch, Path(out_dir))
+    return load_program("kda_fwd_staged", device)
 
 
 def _modules(device):
@@ -308,31 +272,3 @@ def fwd_summaries(q, k, v, g, beta, scale, plan, run_ids):
     # empty runs: chains of count 0 give M = I, E = 0 (the compose kernel starts from [I | 0])
     v3.merge_compose(m, e, tabs.chains, M, E)
     return M, E
-
-
-class StagedBackend:
-    """CudaBackend with the v4 forward (the backward still delegates to the torch backend)."""
-
-    name = "cuda"
-
-    def __init__(self, deterministic: bool = True):
-        self.deterministic = deterministic
-
-    def load(self, device) -> None:
-        _modules(device)
-
-    def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
-        return fwd_output(q, k, v, g, beta, scale, plan, state_in)
-
-    def fwd_summaries(self, q, k, v, g, beta, scale, plan, run_ids):
-        return fwd_summaries(q, k, v, g, beta, scale, plan, run_ids)
-
-    def bwd_summaries(self, *args, **kwargs):
-        from ..torch_backend import TorchBackend
-
-        return TorchBackend().bwd_summaries(*args, **kwargs)
-
-    def bwd_grads(self, *args, **kwargs):
-        from ..torch_backend import TorchBackend
-
-        return TorchBackend().bwd_grads(*args, **kwargs)

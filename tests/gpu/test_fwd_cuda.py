@@ -30,6 +30,12 @@ if torch.cuda.get_device_capability() not in ((9, 0), (10, 0), (10, 3)):
 from kda_kcp.cuda import CudaBackend  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def fused_forward(monkeypatch):
+    """These tests cover the fused v3 forward (tests/gpu/test_fwd_staged.py covers the default, v4)."""
+    monkeypatch.setenv("KDA_KCP_FWD_KERNEL", "fused")
+
 DEV = torch.device("cuda")
 SEED = int(os.environ.get("KDA_TEST_SEED", str(int(time.time() * 1000) % 2**31)))
 print(f"[test_fwd_cuda] seed {SEED}")

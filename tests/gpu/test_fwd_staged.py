@@ -27,8 +27,8 @@ if torch.cuda.get_device_capability() not in ((9, 0), (10, 0), (10, 3)):
         allow_module_level=True,
     )
 
-from kda_kcp.cuda import CudaBackend  # noqa: E402
-from kda_kcp.cuda.staged import StagedBackend, staged_tables  # noqa: E402
+from kda_kcp.cuda import CudaBackend  # noqa: E402  (its default forward is v4)
+from kda_kcp.cuda.staged import staged_tables  # noqa: E402
 from kda_kcp.plan import LocalPlan, build_plan  # noqa: E402
 from kda_kcp.reference import naive_kda  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
@@ -103,7 +103,7 @@ def test_fwd_matches_fp64_oracle(H, total, warps, monkeypatch):
     cu, inputs, ref = _ORACLE[(H, total)]
     plan = local_plan(cu)
     scale = 128**-0.5
-    o = run_fwd(StagedBackend(), inputs, scale, plan)
+    o = run_fwd(CudaBackend(), inputs, scale, plan)
     torch.cuda.synchronize()
     assert torch.isfinite(o.float()).all(), "unwritten or non-finite output"
     err = rel(o, ref)
@@ -119,19 +119,20 @@ def test_fwd_benchmark_slice():
     cu = [0, 2048, 4096, 6144, 8192]
     inputs = make_inputs(8192, 4, gen)
     plan = local_plan(cu)
-    o = run_fwd(StagedBackend(), inputs, 128**-0.5, plan)
+    o = run_fwd(CudaBackend(), inputs, 128**-0.5, plan)
     ref = naive_kda(*inputs, cu)
     err = rel(o, ref)
     print(f"v4 benchmark slice o rel-RMS vs FP64 = {err:.3e}")
     assert err <= 4e-3
 
 
-def test_matches_v3():
+def test_matches_v3(monkeypatch):
     gen = torch.Generator().manual_seed(SEED + 9)
     cu = [0, 3000, 3001, 9000, 9100]
     inputs = make_inputs(cu[-1], 4, gen)
     plan = local_plan(cu)
-    o4 = run_fwd(StagedBackend(), inputs, 128**-0.5, plan)
+    o4 = run_fwd(CudaBackend(), inputs, 128**-0.5, plan)
+    monkeypatch.setenv("KDA_KCP_FWD_KERNEL", "fused")
     o3 = run_fwd(CudaBackend(), inputs, 128**-0.5, plan)
     d = rel(o4, o3)
     print(f"v4 vs v3: {d:.2e}")
@@ -146,7 +147,7 @@ def test_segmentations_agree(monkeypatch):
     outs = {}
     for n in ("1", "3", "100000"):
         monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", n)
-        outs[n] = run_fwd(StagedBackend(), inputs, 128**-0.5, local_plan(cu))
+        outs[n] = run_fwd(CudaBackend(), inputs, 128**-0.5, local_plan(cu))
     for n in ("1", "3"):
         d = rel(outs[n], outs["100000"])
         print(f"v4 segments of {n} chunk(s) vs unsplit: {d:.2e}")
@@ -158,7 +159,7 @@ def test_bitwise_repeat_and_two_processes():
     cu = [0, 5000, 5001, 9000]
     inputs = make_inputs(9000, 4, gen)
     plan = local_plan(cu)
-    be = StagedBackend()
+    be = CudaBackend()
     outs = [run_fwd(be, inputs, 128**-0.5, plan) for _ in range(3)]
     for o in outs[1:]:
         assert torch.equal(o.view(torch.int16), outs[0].view(torch.int16))
@@ -168,10 +169,10 @@ def test_bitwise_repeat_and_two_processes():
         import hashlib, torch, sys
         sys.path.insert(0, {os.getcwd()!r})
         from tests.gpu.test_fwd_staged import make_inputs, local_plan
-        from kda_kcp.cuda.staged import StagedBackend
+        from kda_kcp.cuda import CudaBackend
         gen = torch.Generator().manual_seed(1234)
         inputs = make_inputs(9000, 4, gen)
-        o = StagedBackend().fwd_output(*inputs, 128 ** -0.5, local_plan([0, 5000, 5001, 9000]))
+        o = CudaBackend().fwd_output(*inputs, 128 ** -0.5, local_plan([0, 5000, 5001, 9000]))
         print(hashlib.sha256(o.cpu().view(torch.int16).numpy().tobytes()).hexdigest())
         """
     )
@@ -198,7 +199,7 @@ def test_kcp_pieces_on_one_gpu(W, gate):
     H = 4
     inputs = make_inputs(T, H, gen, gate=gate)
     scale = 128**-0.5
-    be = StagedBackend()
+    be = CudaBackend()
     ref = run_fwd(be, inputs, scale, local_plan(cu))
     bounds = [round(T * i / W) for i in range(W + 1)]
     kp = build_plan(cu, [[(bounds[i], bounds[i + 1])] for i in range(W)])
@@ -231,7 +232,7 @@ def test_summaries_match_torch_backend():
     inputs = make_inputs(4000, 4, gen, gate="mixed")
     plan = local_plan(cu)
     runs = tuple(range(plan.num_runs))
-    M, E = StagedBackend().fwd_summaries(*inputs, 128**-0.5, plan, runs)
+    M, E = CudaBackend().fwd_summaries(*inputs, 128**-0.5, plan, runs)
     Mt, Et = TorchBackend().fwd_summaries(*inputs, 128**-0.5, plan, runs)
     em, ee = rel(M, Mt.float()), rel(E, Et.float())
     print(f"v4 summaries vs torch backend: M {em:.2e}  E {ee:.2e}")
@@ -246,7 +247,7 @@ def test_state_in_matches_torch_backend():
     inputs = make_inputs(5000, H, gen)
     plan = local_plan(cu)
     state_in = 0.1 * torch.randn(plan.num_runs, H, 128, 128, device=DEV)
-    o = run_fwd(StagedBackend(), inputs, 128**-0.5, plan, state_in)
+    o = run_fwd(CudaBackend(), inputs, 128**-0.5, plan, state_in)
     ot = TorchBackend().fwd_output(*inputs, 128**-0.5, plan, state_in)
     d = rel(o, ot)
     print(f"v4 with state_in vs torch backend: {d:.2e}")
