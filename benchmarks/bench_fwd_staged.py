@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Forward timing, W = 1, on the DESIGN.md section 8 batch: v3 (kda_kcp.cuda.CudaBackend), v4 (the staged
+"""Forward timing, W = 1, on the DESIGN.md section 8 batch: v3 (kda_kcp.cuda.CudaBackend(forward="fused")), v4 (the staged
 forward, kda_kcp.cuda.staged, at each walk width asked for) and FLA 0.6.0 chunk_kda (safe_gate=True).
 
 Protocol as benchmarks/bench_fwd_w1.py: inputs without autograd; each timed iteration an L2 flush (512 MB
@@ -189,7 +189,7 @@ def main():
                         return staged.fwd_output(q, k, v, g, beta, scale, plan)
                 arms.append([f"v4_w{w}" + (f"_L{seg}" if seg else ""), f4, w])
         if not args.no_v3:
-            be3 = CudaBackend()
+            be3 = CudaBackend(forward="fused")
             arms.append(["v3", lambda: be3.fwd_output(q, k, v, g, beta, scale, plan), None])
         if fla_chunk is not None:
             cu_t = torch.tensor(cu, dtype=torch.long, device="cuda")
@@ -268,7 +268,7 @@ def main():
                 o = fla_chunk(sq[None], sk[None], sv[None], sg[None], sb[None], scale=scale, safe_gate=True,
                               cu_seqlens=torch.tensor(sl_cu, device="cuda"), cu_seqlens_cpu=torch.tensor(sl_cu))[0][0]
             elif name == "v3":
-                o = CudaBackend().fwd_output(sq, sk, sv, sg, sb, scale, sl_plan)
+                o = CudaBackend(forward="fused").fwd_output(sq, sk, sv, sg, sb, scale, sl_plan)
             else:
                 with WarpsEnv(w):
                     o = staged.fwd_output(sq, sk, sv, sg, sb, scale, sl_plan)

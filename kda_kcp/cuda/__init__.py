@@ -23,11 +23,11 @@ __all__ = ["CudaBackend"]
 _D = 128
 
 
-def _fused() -> bool:
-    kind = os.environ.get("KDA_KCP_FWD_KERNEL", "staged").strip().lower()
+def _forward_kind(forward: str | None) -> str:
+    kind = (forward or os.environ.get("KDA_KCP_FWD_KERNEL", "staged")).strip().lower()
     if kind not in ("staged", "fused"):
-        raise ValueError(f"KDA_KCP_FWD_KERNEL must be 'staged' or 'fused', got {kind!r}")
-    return kind == "fused"
+        raise ValueError(f"the forward kernel must be 'staged' or 'fused' (KDA_KCP_FWD_KERNEL), got {kind!r}")
+    return kind
 
 
 def _module(device):
@@ -58,9 +58,11 @@ def _c(x):
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, deterministic: bool = True):
-        # the forward has no reductions in parallel: one implementation serves both packages
+    def __init__(self, deterministic: bool = True, forward: str | None = None):
+        # the forward has no reductions in parallel: one implementation serves both packages.
+        # forward: "staged" (v4) or "fused" (v3); None reads KDA_KCP_FWD_KERNEL at each call (default staged)
         self.deterministic = deterministic
+        self.forward = forward
 
     def load(self, device) -> None:
         """Load (prebuilt or JIT-build) the programs for ``device`` now, so that a missing compiler or
@@ -73,7 +75,7 @@ class CudaBackend:
 
     # ---------------- forward ----------------
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
-        if not _fused():
+        if _forward_kind(self.forward) == "staged":
             return staged.fwd_output(q, k, v, g, beta, scale, plan, state_in)
         _check(q, k, v, g, beta)
         q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
@@ -98,7 +100,7 @@ class CudaBackend:
         return o
 
     def fwd_summaries(self, q, k, v, g, beta, scale, plan, run_ids):
-        if not _fused():
+        if _forward_kind(self.forward) == "staged":
             return staged.fwd_summaries(q, k, v, g, beta, scale, plan, run_ids)
         _check(q, k, v, g, beta)
         q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
