@@ -89,6 +89,8 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
     check_grad_output(do, q, v)
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
+    if backend.name == "cuda":
+        do = do.to(torch.bfloat16)  # the kernels read the output's dtype
     do = do.contiguous()
     plan, local, r = ctx.plan, ctx.local, ctx.rank
     dstate_out = None

@@ -15,12 +15,13 @@ import os
 
 import torch
 
+from .common import _D, _c, _none, check_tensors
+
 from . import staged
 from .segments import forward_tables, summary_tables
 
 __all__ = ["CudaBackend"]
 
-_D = 128
 
 
 def _forward_kind(forward: str | None) -> str:
@@ -34,25 +35,6 @@ def _module(device):
     from ..jit import load_program
 
     return load_program("kda_fwd", device)
-
-
-def _none(device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32, device=device)
-
-
-def _check(q, k, v, g, beta):
-    for name, t, dt in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
-                        ("g", g, torch.float32), ("beta", beta, torch.bfloat16)):
-        if t.dtype != dt:
-            raise TypeError(f"CUDA backend: {name} must be {dt}, got {t.dtype}")
-        if not t.is_cuda:
-            raise ValueError(f"CUDA backend: {name} must be on a CUDA device")
-    if q.dim() != 3 or q.shape[-1] != _D or v.shape[-1] != _D:
-        raise ValueError(f"CUDA backend: head dim must be {_D}, got q {tuple(q.shape)}, v {tuple(v.shape)}")
-
-
-def _c(x):
-    return x if x.is_contiguous() else x.contiguous()
 
 
 class CudaBackend:
@@ -77,7 +59,7 @@ class CudaBackend:
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
         if _forward_kind(self.forward) == "staged":
             return staged.fwd_output(q, k, v, g, beta, scale, plan, state_in)
-        _check(q, k, v, g, beta)
+        check_tensors("CUDA backend", q, k, v, g, beta)
         q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
         dev = q.device
         T, H, _ = q.shape
@@ -102,7 +84,7 @@ class CudaBackend:
     def fwd_summaries(self, q, k, v, g, beta, scale, plan, run_ids):
         if _forward_kind(self.forward) == "staged":
             return staged.fwd_summaries(q, k, v, g, beta, scale, plan, run_ids)
-        _check(q, k, v, g, beta)
+        check_tensors("CUDA backend", q, k, v, g, beta)
         q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
         dev = q.device
         H = q.shape[1]

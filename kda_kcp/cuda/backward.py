@@ -21,9 +21,10 @@ import os
 
 import torch
 
+from .common import _D, _c, check_tensors
+
 __all__ = ["bwd_grads", "bwd_summaries", "workspace_bytes", "saved_bytes", "PREP_BYTES", "load"]
 
-_D = 128
 PREP_BYTES = 131584  # one prep record per (chunk, head); kda_bwd.h kPrepBytes
 STATE_BYTES = _D * _D * 4
 
@@ -193,27 +194,6 @@ def saved_bytes(num_chunks: int, num_heads: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 # entry points
 # ---------------------------------------------------------------------------------------------------
-def _check(q, k, v, g, beta, do):
-    for name, t, dt in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
-                        ("g", g, torch.float32), ("beta", beta, torch.bfloat16), ("do", do, torch.bfloat16)):
-        if t.dtype != dt:
-            raise TypeError(f"CUDA backward: {name} must be {dt}, got {t.dtype}")
-        if not t.is_cuda:
-            raise ValueError(f"CUDA backward: {name} must be on a CUDA device")
-    if q.dim() != 3 or q.shape[-1] != _D or v.shape[-1] != _D:
-        raise ValueError(f"CUDA backward: head dim must be {_D}, got q {tuple(q.shape)}, v {tuple(v.shape)}")
-    T, H, _ = q.shape
-    for name, t in (("k", k), ("v", v), ("g", g), ("do", do)):
-        if tuple(t.shape) != (T, H, _D):
-            raise ValueError(f"CUDA backward: {name} must be [{T}, {H}, {_D}], got {tuple(t.shape)}")
-    if tuple(beta.shape) != (T, H):
-        raise ValueError(f"CUDA backward: beta must be [{T}, {H}], got {tuple(beta.shape)}")
-
-
-def _c(x):
-    return x if x.is_contiguous() else x.contiguous()
-
-
 def _state(x, n, H, dev, name):
     if x is None:
         return torch.empty(0, dtype=torch.float32, device=dev)
@@ -227,7 +207,7 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
     """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan``.
 
     ``timing``: a dict to receive the milliseconds of each stage (CUDA events; synchronizes; benchmarks only)."""
-    _check(q, k, v, g, beta, do)
+    check_tensors("CUDA backward", q, k, v, g, beta, do)
     q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
     dev = q.device
     T, H, _ = q.shape
@@ -294,7 +274,7 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
 
 def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids):
     """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F."""
-    _check(q, k, v, g, beta, do)
+    check_tensors("CUDA backward", q, k, v, g, beta, do)
     q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
     dev = q.device
     H = q.shape[1]

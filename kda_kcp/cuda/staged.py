@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .common import _D, _c, _none, check_tensors
+
 __all__ = ["load_staged", "fwd_output", "fwd_summaries", "choose_segment_chunks_v4", "staged_tables",
            "RECORD_BYTES", "model_time"]
 
 CHUNK = 64
-_D = 128
 RECORD_BYTES = 70144  # kda::kStagedRecordBytes
 
 # ---- cost model of one walk step (one chunk of one CTA), in units of an output step at NW = 4 ----
@@ -190,25 +191,6 @@ def _modules(device):
     return load_staged(device), load_program("kda_fwd", device)
 
 
-def _none(device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32, device=device)
-
-
-def _check(q, k, v, g, beta):
-    for name, t, dt in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
-                        ("g", g, torch.float32), ("beta", beta, torch.bfloat16)):
-        if t.dtype != dt:
-            raise TypeError(f"CUDA backend: {name} must be {dt}, got {t.dtype}")
-        if not t.is_cuda:
-            raise ValueError(f"CUDA backend: {name} must be on a CUDA device")
-    if q.dim() != 3 or q.shape[-1] != _D or v.shape[-1] != _D:
-        raise ValueError(f"CUDA backend: head dim must be {_D}, got q {tuple(q.shape)}, v {tuple(v.shape)}")
-
-
-def _c(x):
-    return x if x.is_contiguous() else x.contiguous()
-
-
 def workspace_bytes(plan, heads: int, run_ids=None) -> int:
     """Bytes of the (chunk, head) records that one call needs (the largest buffer of the v4 forward)."""
     runs = plan.runs if run_ids is None else [plan.runs[int(r)] for r in run_ids]
@@ -218,7 +200,7 @@ def workspace_bytes(plan, heads: int, run_ids=None) -> int:
 def fwd_output(q, k, v, g, beta, scale, plan, state_in=None):
     """o [T, H, 128] bf16 of every run of ``plan`` from its incoming state (``state_in`` [R, H, 128, 128]
     fp32 or None = zero), same contract as ``CudaBackend.fwd_output``."""
-    _check(q, k, v, g, beta)
+    check_tensors("CUDA backend", q, k, v, g, beta)
     q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
     dev = q.device
     T, H, _ = q.shape
@@ -248,7 +230,7 @@ def fwd_output(q, k, v, g, beta, scale, plan, state_in=None):
 
 def fwd_summaries(q, k, v, g, beta, scale, plan, run_ids):
     """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E)."""
-    _check(q, k, v, g, beta)
+    check_tensors("CUDA backend", q, k, v, g, beta)
     q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
     dev = q.device
     H = q.shape[1]

@@ -1,0 +1,38 @@
+"""What the CUDA backend's wrappers share: the head dim, tensor checks, small tensor helpers."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["_D", "_c", "_none", "check_tensors"]
+
+_D = 128  # the kernels' head dim (K = V)
+
+
+def _none(device) -> torch.Tensor:
+    """An empty FP32 tensor standing for an absent optional argument of a binding."""
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def _c(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def check_tensors(where: str, q, k, v, g, beta, do=None) -> None:
+    """BF16 q, k, v, beta (and do), FP32 g, all on a CUDA device, [T, H, 128] (beta [T, H])."""
+    named = [("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
+             ("g", g, torch.float32), ("beta", beta, torch.bfloat16)]
+    if do is not None:
+        named.append(("do", do, torch.bfloat16))
+    for name, t, dt in named:
+        if t.dtype != dt:
+            raise TypeError(f"{where}: {name} must be {dt}, got {t.dtype}")
+        if not t.is_cuda:
+            raise ValueError(f"{where}: {name} must be on a CUDA device")
+    if q.dim() != 3 or q.shape[-1] != _D or v.shape[-1] != _D:
+        raise ValueError(f"{where}: head dim must be {_D}, got q {tuple(q.shape)}, v {tuple(v.shape)}")
+    T, H, _ = q.shape
+    for name, t, *_ in named[1:]:
+        want = (T, H) if name == "beta" else (T, H, _D)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{where}: {name} must be {list(want)}, got {list(t.shape)}")
