@@ -94,6 +94,23 @@ def _saved_and_workspace(rank, world):
             raise AssertionError("a workspace one byte short did not raise")
 
 
+def _one_workspace_many_packs(rank, world):
+    """A workspace sized for the largest of several packs serves each of them in turn, bit for bit."""
+    packs = [offsets([1, 0, 299, 150, 161]), offsets([517]), offsets([40, 3, 90])]
+    ctxs = [kda_kcp.build_context_kcp(cu, dist.group.WORLD, "zigzag") for cu in packs]
+    need = max(kda_kcp.kda_workspace_bytes_kcp(c, H, **SIZES) for c in ctxs)
+    ws = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(need, dtype=torch.uint8))
+    for i, (cu, ctx) in enumerate(zip(packs, ctxs)):
+        inputs, do = make_inputs(cu, H=H, K=K, V=V, seed=40 + i)
+        local = [ctx.shard(x) for x in inputs]
+        for a, b in zip(step(local, ctx.shard(do), ctx), step(local, ctx.shard(do), ctx, workspace=ws)):
+            assert torch.equal(a, b), i
+
+
+def test_one_workspace_serves_several_packs():
+    run_distributed(_one_workspace_many_packs, 2)
+
+
 def test_saved_bytes_and_workspace_at_two_ranks():
     run_distributed(_saved_and_workspace, 2)
 
