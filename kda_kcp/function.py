@@ -62,22 +62,30 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
     return backend, scale
 
 
+def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, workspace):
+    """This rank's summaries of the runs it publishes -> one all-gather -> the fixed-order fold into
+    every local run: incoming states (forward) or outgoing state gradients (backward), [R, H, K, V]."""
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    ids = publish[ctx.rank]
+    if ids:
+        maps, offsets = summarize(ids)
+    else:
+        maps, offsets = q.new_zeros(0, H, K, K, dtype=dt), q.new_zeros(0, H, K, V, dtype=dt)
+    buf = _exchange_buffer(workspace, ctx, H, K, V, dt, q.device)
+    maps, offsets = gather_summaries(maps.to(dt), offsets.to(dt), slots, ctx.world_size, ctx.group, buf)
+    return affine_merge(maps, offsets, sources[ctx.rank], q.new_empty(ctx.local.num_runs, H, K, V, dtype=dt))
+
+
 def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
     """Returns (o, KdaSaved). Inputs are read, never written."""
     backend, scale = _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
-    plan, local, r = ctx.plan, ctx.local, ctx.rank
+    plan, local = ctx.plan, ctx.local
     state_in = None
     if plan.needs_exchange:
-        H, K, V = q.shape[1], q.shape[2], v.shape[2]
-        dt = _summary_dtype(backend, q, k, v, g, beta)
-        ids = plan.fwd_publish[r]
-        if ids:
-            M, E = backend.fwd_summaries(q, k, v, g, beta, scale, local, ids)
-        else:
-            M, E = q.new_zeros(0, H, K, K, dtype=dt), q.new_zeros(0, H, K, V, dtype=dt)
-        buf = _exchange_buffer(workspace, ctx, H, K, V, dt, q.device)
-        maps, offsets = gather_summaries(M.to(dt), E.to(dt), plan.fwd_slots, ctx.world_size, ctx.group, buf)
-        state_in = affine_merge(maps, offsets, plan.fwd_sources[r], q.new_empty(local.num_runs, H, K, V, dtype=dt))
+        state_in = _exchange_and_merge(
+            ctx, lambda ids: backend.fwd_summaries(q, k, v, g, beta, scale, local, ids),
+            plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q, v, _summary_dtype(backend, q, k, v, g, beta), workspace,
+        )
     o = backend.fwd_output(q, k, v, g, beta, scale, local, state_in)
     return o, KdaSaved(q, k, v, g, beta, state_in, scale, deterministic)
 
@@ -92,19 +100,13 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
     if backend.name == "cuda":
         do = do.to(torch.bfloat16)  # the kernels read the output's dtype
     do = do.contiguous()
-    plan, local, r = ctx.plan, ctx.local, ctx.rank
+    plan, local = ctx.plan, ctx.local
     dstate_out = None
     if plan.needs_exchange:
-        H, K, V = q.shape[1], q.shape[2], v.shape[2]
-        dt = _summary_dtype(backend, q, k, v, g, beta)
-        ids = plan.bwd_publish[r]
-        if ids:
-            Mt, F = backend.bwd_summaries(q, k, v, g, beta, do, saved.scale, local, ids)
-        else:
-            Mt, F = q.new_zeros(0, H, K, K, dtype=dt), q.new_zeros(0, H, K, V, dtype=dt)
-        buf = _exchange_buffer(workspace, ctx, H, K, V, dt, q.device)
-        maps, offsets = gather_summaries(Mt.to(dt), F.to(dt), plan.bwd_slots, ctx.world_size, ctx.group, buf)
-        dstate_out = affine_merge(maps, offsets, plan.bwd_sources[r], q.new_empty(local.num_runs, H, K, V, dtype=dt))
+        dstate_out = _exchange_and_merge(
+            ctx, lambda ids: backend.bwd_summaries(q, k, v, g, beta, do, saved.scale, local, ids),
+            plan.bwd_publish, plan.bwd_slots, plan.bwd_sources, q, v, _summary_dtype(backend, q, k, v, g, beta), workspace,
+        )
     grads = backend.bwd_grads(q, k, v, g, beta, do, saved.scale, local, saved.state_in, dstate_out)
     return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
 
