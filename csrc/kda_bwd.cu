@@ -14,8 +14,10 @@
 //
 // No atomics anywhere; every reduction has a fixed order, so the result is bitwise repeatable, and the
 // same kernels serve both packages (det and nondet).
-#include "kda_common.cuh"
 #include "kda_bwd.h"
+#include "kda_chunk_prep.cuh"
+#include "kda_common.cuh"
+#include "kda_state_tile.cuh"
 
 namespace kda {
 namespace bwd {
@@ -26,8 +28,6 @@ constexpr int C = 64;
 constexpr int D = 128;
 constexpr int NTH = 256;
 constexpr int LDL = 68;  // fp32 row stride of the 64x64 L / A tiles in the prep
-
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 // ------------------------------------------------------------------------------------------------
 // warp-level GEMM on swizzled bf16 shared tiles:
@@ -63,16 +63,9 @@ __device__ __forceinline__ void wgemm(float (&acc)[MI][NI][4], const bf16* Ah, c
       }
 #pragma unroll
       for (int mi = 0; mi < MI; ++mi) {
-        mma(acc[mi][2 * nj], ah[mi], bh[0], bh[1]);
-        mma(acc[mi][2 * nj + 1], ah[mi], bh[2], bh[3]);
-        if constexpr (SA) {
-          mma(acc[mi][2 * nj], al[mi], bh[0], bh[1]);
-          mma(acc[mi][2 * nj + 1], al[mi], bh[2], bh[3]);
-        }
-        if constexpr (SB) {
-          mma(acc[mi][2 * nj], ah[mi], bl[0], bl[1]);
-          mma(acc[mi][2 * nj + 1], ah[mi], bl[2], bl[3]);
-        }
+        mma_n16(acc[mi][2 * nj], acc[mi][2 * nj + 1], ah[mi], bh);
+        if constexpr (SA) mma_n16(acc[mi][2 * nj], acc[mi][2 * nj + 1], al[mi], bh);
+        if constexpr (SB) mma_n16(acc[mi][2 * nj], acc[mi][2 * nj + 1], ah[mi], bl);
       }
     }
   }
@@ -140,6 +133,18 @@ __device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, i
 
 // Cc section of anchor block I starts at this row (section I holds rows 0 .. 16 I + 15).
 __device__ __forceinline__ int cc_sec(int I) { return I * (I + 1) * 8; }
+
+// rs[e2]: this lane's partial sums of rows g4 + 8 e2 of an m16 tile; the four lanes of a row add theirs
+// (fixed order) and dst[row0 + row] receives the total.
+__device__ __forceinline__ void store_row_sums(float* dst, int row0, const float (&rs)[2], int lane) {
+#pragma unroll
+  for (int e2 = 0; e2 < 2; ++e2) {
+    float s = rs[e2];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if ((lane & 3) == 0) dst[row0 + (lane >> 2) + 8 * e2] = s;
+  }
+}
 
 // 2-level cumsum over the 64 rows of an fp32 [64][128] tile (256 threads), forward or reverse.
 template <bool REV>
@@ -304,19 +309,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
     const int r = p >> 6, cc = p & 63;
     if ((cc >> 4) > (r >> 4)) sA[r * LDL + cc] = 0.f;
   }
-  if (tid < 64) {
-    const int I = tid >> 4, cl = tid & 15;
-    const float* Lb = sL + (I * 16) * LDL + I * 16;
-    float x[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) x[r] = (r == cl) ? 1.f : 0.f;
-#pragma unroll
-    for (int m = 0; m < 15; ++m)
-#pragma unroll
-      for (int r = m + 1; r < 16; ++r) x[r] = fmaf(-Lb[r * LDL + m], x[m], x[r]);
-#pragma unroll
-    for (int r = 0; r < 16; ++r) sA[(I * 16 + r) * LDL + I * 16 + cl] = x[r];
-  }
+  invert_diag_blocks<LDL>(sL, sA, tid);
   __syncthreads();
   for (int lev = 1; lev < 4; ++lev) {
     const int np = 4 - lev;
@@ -400,6 +393,18 @@ constexpr int RW_GAM = 73728;
 constexpr int RW_STAGE = RW_GAM + 512;
 static_assert(WCOLS == 64, "the dO tile is a 64-column swizzled tile");
 
+// ST = ST Diag(gamma) (gamma fp32 [128] in shared memory): S^T's columns are keys.
+__device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGam, int l4) {
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const float ga0 = sGam[nt * 8 + 2 * l4], ga1 = sGam[nt * 8 + 2 * l4 + 1];
+    ST[nt][0] *= ga0;
+    ST[nt][1] *= ga1;
+    ST[nt][2] *= ga0;
+    ST[nt][3] *= ga1;
+  }
+}
+
 __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU, int tid) {
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_bf16<128, WNW * 32>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
@@ -434,16 +439,7 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
       if (ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
       else if (a.state_in != nullptr && sidx >= 0) src = a.state_in + (static_cast<int64_t>(sidx) * H + h) * D * D;
     }
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
-        float x = 0.f;
-        if (SUMMARY) x = (!withU && v == d) ? 1.f : 0.f;
-        else if (src != nullptr) x = src[d * D + v];
-        ST[nt][e] = x;
-      }
+    state_tile_init<!SUMMARY>(ST, src, !withU, vcol, g4, l4);
   }
   if (nc > 0) fwd_stage_load(smem, a, first, h, col0, withU, tid);
   cp_async_commit();
@@ -464,13 +460,7 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
     // h of this chunk: the state entering it
     if constexpr (!SUMMARY) {
       float* dst = a.h + (static_cast<int64_t>(first + j) * H + h) * D * D;
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
-          dst[d * D + v] = ST[nt][e];
-        }
+      state_tile_store(dst, ST, vcol, g4, l4);
     }
     // V_new^T = U^T - S^T W^T
     float VN[8][4];
@@ -481,64 +471,28 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       uint32_t sh[4], sl[4];
-      split2(ST[2 * ks][0], ST[2 * ks][1], sh[0], sl[0]);
-      split2(ST[2 * ks][2], ST[2 * ks][3], sh[1], sl[1]);
-      split2(ST[2 * ks + 1][0], ST[2 * ks + 1][1], sh[2], sl[2]);
-      split2(ST[2 * ks + 1][2], ST[2 * ks + 1][3], sh[3], sl[3]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sh[e] ^= 0x80008000u;
-        sl[e] ^= 0x80008000u;
-      }
+      split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
+      negate_split(sh, sl);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t bw[4];
         ldb<128>(bw, sW, ks * 16, np * 16, lane);
-        mma(VN[2 * np], sh, bw[0], bw[1]);
-        mma(VN[2 * np + 1], sh, bw[2], bw[3]);
-        mma(VN[2 * np], sl, bw[0], bw[1]);
-        mma(VN[2 * np + 1], sl, bw[2], bw[3]);
+        mma_n16(VN[2 * np], VN[2 * np + 1], sh, bw);
+        mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
       }
     }
     uint32_t vh[4][4], vl[4][4];
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      split2(VN[2 * ks][0], VN[2 * ks][1], vh[ks][0], vl[ks][0]);
-      split2(VN[2 * ks][2], VN[2 * ks][3], vh[ks][1], vl[ks][1]);
-      split2(VN[2 * ks + 1][0], VN[2 * ks + 1][1], vh[ks][2], vl[ks][2]);
-      split2(VN[2 * ks + 1][2], VN[2 * ks + 1][3], vh[ks][3], vl[ks][3]);
-    }
+    for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
     // S^T = S^T Diag(gamma) + V_new^T Kg
+    decay_state(ST, sGam, l4);
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const float ga0 = sGam[nt * 8 + 2 * l4], ga1 = sGam[nt * 8 + 2 * l4 + 1];
-      ST[nt][0] *= ga0;
-      ST[nt][1] *= ga1;
-      ST[nt][2] *= ga0;
-      ST[nt][3] *= ga1;
-    }
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-#pragma unroll
-      for (int np = 0; np < 8; ++np) {
-        uint32_t b[4];
-        ldb_t<128>(b, sKg, ks * 16, np * 16, lane);
-        mma(ST[2 * np], vh[ks], b[0], b[1]);
-        mma(ST[2 * np + 1], vh[ks], b[2], b[3]);
-        mma(ST[2 * np], vl[ks], b[0], b[1]);
-        mma(ST[2 * np + 1], vl[ks], b[2], b[3]);
-      }
+    for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
   if constexpr (SUMMARY) {
     float* dst = (withU ? a.e_out : a.m_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
-        dst[d * D + v] = ST[nt][e];
-      }
+    state_tile_store(dst, ST, vcol, g4, l4);
   }
 }
 
@@ -582,16 +536,7 @@ __global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
       if (ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
       else if (a.dstate_out != nullptr && sidx >= 0) src = a.dstate_out + (static_cast<int64_t>(sidx) * H + h) * D * D;
     }
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
-        float x = 0.f;
-        if (SUMMARY) x = (!withF && v == d) ? 1.f : 0.f;
-        else if (src != nullptr) x = src[d * D + v];
-        ST[nt][e] = x;
-      }
+    state_tile_init<!SUMMARY>(ST, src, !withF, vcol, g4, l4);
   }
   if (nc > 0) rev_stage_load(smem, a, first + nc - 1, h, col0, withF, tid);
   cp_async_commit();
@@ -615,20 +560,11 @@ __global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
     const float* sGam = reinterpret_cast<const float*>(st + RW_GAM);
     if constexpr (!SUMMARY) {
       float* dst = a.dh + (static_cast<int64_t>(first + j) * H + h) * D * D;
-#pragma unroll
-      for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
-          dst[d * D + v] = ST[nt][e];
-        }
+      state_tile_store(dst, ST, vcol, g4, l4);
     }
     // dV_new^T = dO^T Aqk + dS^T Kg^T
     float DV[8][4];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) DV[nt][e] = 0.f;
+    zero_frags(DV);
     if (withF) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -640,10 +576,8 @@ __global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
             uint32_t bh[4], bl[4];
             ldb_t<64>(bh, sAqh, ks * 16, np * 16, lane);
             ldb_t<64>(bl, sAql, ks * 16, np * 16, lane);
-            mma(DV[2 * np], ad, bh[0], bh[1]);
-            mma(DV[2 * np + 1], ad, bh[2], bh[3]);
-            mma(DV[2 * np], ad, bl[0], bl[1]);
-            mma(DV[2 * np + 1], ad, bl[2], bl[3]);
+            mma_n16(DV[2 * np], DV[2 * np + 1], ad, bh);
+            mma_n16(DV[2 * np], DV[2 * np + 1], ad, bl);
           }
         }
       }
@@ -651,29 +585,17 @@ __global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       uint32_t sh[4], sl[4];
-      split2(ST[2 * ks][0], ST[2 * ks][1], sh[0], sl[0]);
-      split2(ST[2 * ks][2], ST[2 * ks][3], sh[1], sl[1]);
-      split2(ST[2 * ks + 1][0], ST[2 * ks + 1][1], sh[2], sl[2]);
-      split2(ST[2 * ks + 1][2], ST[2 * ks + 1][3], sh[3], sl[3]);
+      split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t b[4];
         ldb<128>(b, sKg, ks * 16, np * 16, lane);
-        mma(DV[2 * np], sh, b[0], b[1]);
-        mma(DV[2 * np + 1], sh, b[2], b[3]);
-        mma(DV[2 * np], sl, b[0], b[1]);
-        mma(DV[2 * np + 1], sl, b[2], b[3]);
+        mma_n16(DV[2 * np], DV[2 * np + 1], sh, b);
+        mma_n16(DV[2 * np], DV[2 * np + 1], sl, b);
       }
     }
     // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const float ga0 = sGam[nt * 8 + 2 * l4], ga1 = sGam[nt * 8 + 2 * l4 + 1];
-      ST[nt][0] *= ga0;
-      ST[nt][1] *= ga1;
-      ST[nt][2] *= ga0;
-      ST[nt][3] *= ga1;
-    }
+    decay_state(ST, sGam, l4);
     if (withF) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -683,44 +605,22 @@ __global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
         for (int np = 0; np < 8; ++np) {
           uint32_t b[4];
           ldb_t<128>(b, sQg, ks * 16, np * 16, lane);
-          mma(ST[2 * np], ad, b[0], b[1]);
-          mma(ST[2 * np + 1], ad, b[2], b[3]);
+          mma_n16(ST[2 * np], ST[2 * np + 1], ad, b);
         }
       }
     }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       uint32_t vh[4], vl[4];
-      split2(DV[2 * ks][0], DV[2 * ks][1], vh[0], vl[0]);
-      split2(DV[2 * ks][2], DV[2 * ks][3], vh[1], vl[1]);
-      split2(DV[2 * ks + 1][0], DV[2 * ks + 1][1], vh[2], vl[2]);
-      split2(DV[2 * ks + 1][2], DV[2 * ks + 1][3], vh[3], vl[3]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        vh[e] ^= 0x80008000u;
-        vl[e] ^= 0x80008000u;
-      }
-#pragma unroll
-      for (int np = 0; np < 8; ++np) {
-        uint32_t b[4];
-        ldb_t<128>(b, sW, ks * 16, np * 16, lane);
-        mma(ST[2 * np], vh, b[0], b[1]);
-        mma(ST[2 * np + 1], vh, b[2], b[3]);
-        mma(ST[2 * np], vl, b[0], b[1]);
-        mma(ST[2 * np + 1], vl, b[2], b[3]);
-      }
+      split_afrag(DV[2 * ks], DV[2 * ks + 1], vh, vl);
+      negate_split(vh, vl);
+      state_tile_rank16(ST, vh, vl, sW, ks, lane);
     }
     __syncthreads();
   }
   if constexpr (SUMMARY) {
     float* dst = (withF ? a.f_out : a.mt_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
-        dst[d * D + v] = ST[nt][e];
-      }
+    state_tile_store(dst, ST, vcol, g4, l4);
   }
 }
 
@@ -898,13 +798,7 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
           *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
         }
       });
-#pragma unroll
-      for (int e2 = 0; e2 < 2; ++e2) {
-        float s = rs[e2];
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if ((lane & 3) == 0) sDb[(vh * 2 + (warp >> 2)) * C + m0 + (lane >> 2) + 8 * e2] = s;
-      }
+      store_row_sums(sDb, (vh * 2 + (warp >> 2)) * C + m0, rs, lane);
     }
     __syncthreads();
   }
@@ -1008,13 +902,7 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
         Rg[0][ni][e] += b * x * kx;
         rs[e >> 1] += x * kx;
       }
-#pragma unroll
-    for (int e2 = 0; e2 < 2; ++e2) {
-      float s = rs[e2];
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if ((lane & 3) == 0) sDb[(4 + (warp >> 2)) * C + m0 + (lane >> 2) + 8 * e2] = s;
-    }
+    store_row_sums(sDb, (4 + (warp >> 2)) * C + m0, rs, lane);
   }
   __syncthreads();
   // ---- B3: T1 = A^T dA; dL = -(T1 A^T) strictly lower; dP = beta dL; dbeta partial sum(dL o P) ----
@@ -1035,13 +923,7 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
       const float b = sBeta[r];
       st2<64>(B16(B_DPH), B16(B_DPL), r, cc, b * l0, b * l1);
     });
-#pragma unroll
-    for (int e2 = 0; e2 < 2; ++e2) {
-      float s = rs[e2];
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if ((lane & 3) == 0) sDb[(6 + (warp >> 2)) * C + m0 + (lane >> 2) + 8 * e2] = s;
-    }
+    store_row_sums(sDb, (6 + (warp >> 2)) * C + m0, rs, lane);
   }
   // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
   for (int p = tid; p < 160 * (D / 2); p += NTH) {
@@ -1063,29 +945,25 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
     wgemm<1, 8, 64, false, kSD, 128, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
     bf16* dq = static_cast<bf16*>(a.dq);
     const int g4 = lane >> 2, l4 = lane & 3;
+    // y = acc o exp(G_r - G_{16 I}): dX += y, Rg += x o y (x the bf16 row operand, q or k)
+    auto add_pairwise_rows = [&](const float (&acc)[1][8][4], float (&dX)[1][8][4], const bf16* x) {
 #pragma unroll
-    for (int ni = 0; ni < 8; ++ni)
+      for (int ni = 0; ni < 8; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        const float y = acc[0][ni][e] * fexp(sG[r * D + cc] - sG[16 * I * D + cc]);
-        dQg[0][ni][e] += y;
-        Rg[0][ni][e] += __bfloat162float(B16(B_Q)[sw128(r, cc)]) * y;
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+          const float y = acc[0][ni][e] * fexp(sG[r * D + cc] - sG[16 * I * D + cc]);
+          dX[0][ni][e] += y;
+          Rg[0][ni][e] += __bfloat162float(x[sw128(r, cc)]) * y;
+        }
+    };
+    add_pairwise_rows(acc, dQg, B16(B_Q));
     epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
       if (r < nrows) *reinterpret_cast<uint32_t*>(dq + base + r * gs + cc) = pack_bf16(x0, x1);
     });
     zero(acc);
     wgemm<1, 8, 64, false, kSD, 128, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
-#pragma unroll
-    for (int ni = 0; ni < 8; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        const float y = acc[0][ni][e] * fexp(sG[r * D + cc] - sG[16 * I * D + cc]);
-        dKg[0][ni][e] += y;
-        Rg[0][ni][e] += __bfloat162float(B16(B_K)[sw128(r, cc)]) * y;
-      }
+    add_pairwise_rows(acc, dKg, B16(B_K));
   }
   __syncthreads();
   // ---- pairwise columns: col = cols(dP, k) + cols(s dAqk, q) ----

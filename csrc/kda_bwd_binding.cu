@@ -1,29 +1,15 @@
 // TVM-FFI entry points of the backward kernels (kda_bwd.cu). Checks first (they raise Python
 // exceptions), then the launch on the caller's current stream. Nothing is allocated here: Python hands
 // in every buffer (the prep workspace, h, dh and the gradients).
-#include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/error.h>
-#include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
 #include "kda_bwd.h"
+#include "kda_ffi_checks.h"
 
 namespace {
 
-using tvm::ffi::TensorView;
+using namespace kda::ffi_checks;
 namespace B = kda::bwd;
-
-constexpr int kD = 128;
-
-bool is_dtype(const TensorView& t, int code, int bits) {
-  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
-}
-
-void check_cuda(const TensorView& t, const char* name, int dev) {
-  TVM_FFI_CHECK(t.device().device_type == kDLCUDA, ValueError) << name << " must be a CUDA tensor";
-  TVM_FFI_CHECK(t.device().device_id == dev, ValueError) << name << " is on another device";
-  TVM_FFI_CHECK(t.IsContiguous(), ValueError) << name << " must be contiguous";
-}
 
 void check_tok(const TensorView& t, const char* name, int64_t T, int64_t H, int code, int bits, int dev) {
   check_cuda(t, name, dev);
@@ -38,20 +24,6 @@ void check_beta(const TensorView& t, const char* name, int64_t T, int64_t H, int
   TVM_FFI_CHECK(t.ndim() == 2 && t.size(0) == T && t.size(1) == H, ValueError) << name << " must be [T, H]";
 }
 
-void check_state(const TensorView& s, const char* name, int64_t n, int64_t H, int dev) {
-  check_cuda(s, name, dev);
-  TVM_FFI_CHECK(is_dtype(s, kDLFloat, 32), TypeError) << name << " must be float32";
-  TVM_FFI_CHECK(s.ndim() == 4 && (n < 0 || s.size(0) == n) && s.size(1) == H && s.size(2) == kD && s.size(3) == kD,
-                ValueError)
-      << name << " must be [n, H, 128, 128]";
-}
-
-void check_table(const TensorView& t, const char* name, int cols, int dev) {
-  check_cuda(t, name, dev);
-  TVM_FFI_CHECK(t.ndim() == 2 && t.size(1) == cols && is_dtype(t, kDLInt, 32), ValueError)
-      << name << " must be int32 [n, " << cols << "]";
-}
-
 void check_prep(const TensorView& p, int64_t nchunks, int64_t H, int dev) {
   check_cuda(p, "prep workspace", dev);
   TVM_FFI_CHECK(is_dtype(p, kDLUInt, 8) && p.ndim() == 1, TypeError) << "prep workspace must be uint8 [n]";
@@ -59,12 +31,14 @@ void check_prep(const TensorView& p, int64_t nchunks, int64_t H, int dev) {
       << "prep workspace too small: need " << nchunks * H * static_cast<int64_t>(B::kPrepBytes) << " bytes";
 }
 
-cudaStream_t stream_of(const TensorView& t) {
-  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, t.device().device_id));
-}
-
-void raise_on(cudaError_t err, const char* what) {
-  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << what << ": " << cudaGetErrorString(err);
+// q, k, v bf16 and g fp32 [T, H, 128], beta bf16 [T, H]
+void check_chunk_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                        const TensorView& beta, int64_t T, int64_t H, int dev) {
+  check_tok(q, "q", T, H, kDLBfloat, 16, dev);
+  check_tok(k, "k", T, H, kDLBfloat, 16, dev);
+  check_tok(v, "v", T, H, kDLBfloat, 16, dev);
+  check_tok(g, "g", T, H, kDLFloat, 32, dev);
+  check_beta(beta, "beta", T, H, dev);
 }
 
 B::Args base_args(const TensorView& chunks, const TensorView& runs, int64_t H, TensorView prep) {
@@ -78,20 +52,9 @@ B::Args base_args(const TensorView& chunks, const TensorView& runs, int64_t H, T
   return a;
 }
 
-// prep records of every chunk in `chunks` (rows (first token, rows)).
-void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView chunks,
-              TensorView prep, double scale) {
-  const int dev = q.device().device_id;
-  TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
-  const int64_t T = q.size(0), H = q.size(1);
-  TVM_FFI_CHECK(H >= 1 && H <= 65535, ValueError) << "H must be in [1, 65535]";
-  check_tok(q, "q", T, H, kDLBfloat, 16, dev);
-  check_tok(k, "k", T, H, kDLBfloat, 16, dev);
-  check_tok(v, "v", T, H, kDLBfloat, 16, dev);
-  check_tok(g, "g", T, H, kDLFloat, 32, dev);
-  check_beta(beta, "beta", T, H, dev);
-  check_table(chunks, "chunk table", 2, dev);
-  check_prep(prep, chunks.size(0), H, dev);
+// Args of the per-chunk kernels (prep, grads): no run table.
+B::Args chunk_args(const TensorView& chunks, TensorView prep, int64_t H, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& g, const TensorView& beta, double scale) {
   B::Args a = base_args(chunks, chunks, H, prep);
   a.nruns = 0;
   a.q = q.data_ptr();
@@ -100,6 +63,20 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
   a.g = static_cast<const float*>(g.data_ptr());
   a.beta = beta.data_ptr();
   a.scale = static_cast<float>(scale);
+  return a;
+}
+
+// prep records of every chunk in `chunks` (rows (first token, rows)).
+void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView chunks,
+              TensorView prep, double scale) {
+  const int dev = q.device().device_id;
+  TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
+  const int64_t T = q.size(0), H = q.size(1);
+  TVM_FFI_CHECK(H >= 1 && H <= 65535, ValueError) << "H must be in [1, 65535]";
+  check_chunk_inputs(q, k, v, g, beta, T, H, dev);
+  check_table(chunks, "chunk table", 2, dev);
+  check_prep(prep, chunks.size(0), H, dev);
+  B::Args a = chunk_args(chunks, prep, H, q, k, v, g, beta, scale);
   raise_on(B::launch_prep(a, stream_of(q)), "kda bwd_prep launch");
 }
 
@@ -116,14 +93,8 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
   check_prep(prep, chunks.size(0), H, dev);
   B::Args a = base_args(chunks, runs, H, prep);
   a.h = static_cast<float*>(h.data_ptr());
-  if (state_in.numel() > 0) {
-    check_state(state_in, "state_in", -1, H, dev);
-    a.state_in = static_cast<const float*>(state_in.data_ptr());
-  }
-  if (fold.numel() > 0) {
-    check_state(fold, "segment states", -1, H, dev);
-    a.fold = static_cast<const float*>(fold.data_ptr());
-  }
+  a.state_in = optional_state(state_in, "state_in", H, dev);
+  a.fold = optional_state(fold, "segment states", H, dev);
   raise_on(B::launch_fwd_walk(a, stream_of(h)), "kda bwd_fwd_walk launch");
 }
 
@@ -142,14 +113,8 @@ void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorVie
   B::Args a = base_args(chunks, runs, H, prep);
   a.dout = dout.data_ptr();
   a.dh = static_cast<float*>(dh.data_ptr());
-  if (dstate_out.numel() > 0) {
-    check_state(dstate_out, "dstate_out", -1, H, dev);
-    a.dstate_out = static_cast<const float*>(dstate_out.data_ptr());
-  }
-  if (fold.numel() > 0) {
-    check_state(fold, "segment state gradients", -1, H, dev);
-    a.fold = static_cast<const float*>(fold.data_ptr());
-  }
+  a.dstate_out = optional_state(dstate_out, "dstate_out", H, dev);
+  a.fold = optional_state(fold, "segment state gradients", H, dev);
   raise_on(B::launch_rev_walk(a, stream_of(dh)), "kda bwd_rev_walk launch");
 }
 
@@ -186,11 +151,9 @@ void bwd_fold(TensorView m, TensorView e, TensorView chains, TensorView init, Te
   a.m_sum = static_cast<const float*>(m.data_ptr());
   a.e_sum = static_cast<const float*>(e.data_ptr());
   a.fold_out = static_cast<float*>(out.data_ptr());
-  if (init.numel() > 0) {
-    check_state(init, "initial states", -1, H, dev);
-    if (rev) a.dstate_out = static_cast<const float*>(init.data_ptr());
-    else a.state_in = static_cast<const float*>(init.data_ptr());
-  }
+  const float* init_states = optional_state(init, "initial states", H, dev);
+  if (rev) a.dstate_out = init_states;
+  else a.state_in = init_states;
   raise_on(B::launch_fold(a, rev, stream_of(m)), "kda bwd_fold launch");
 }
 
@@ -222,11 +185,7 @@ void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorVie
   const int dev = q.device().device_id;
   TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
   const int64_t T = q.size(0), H = q.size(1);
-  check_tok(q, "q", T, H, kDLBfloat, 16, dev);
-  check_tok(k, "k", T, H, kDLBfloat, 16, dev);
-  check_tok(v, "v", T, H, kDLBfloat, 16, dev);
-  check_tok(g, "g", T, H, kDLFloat, 32, dev);
-  check_beta(beta, "beta", T, H, dev);
+  check_chunk_inputs(q, k, v, g, beta, T, H, dev);
   check_tok(dout, "do", T, H, kDLBfloat, 16, dev);
   check_tok(dq, "dq", T, H, kDLBfloat, 16, dev);
   check_tok(dk, "dk", T, H, kDLBfloat, 16, dev);
@@ -237,13 +196,7 @@ void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorVie
   check_state(h, "h", chunks.size(0), H, dev);
   check_state(dh, "dh", chunks.size(0), H, dev);
   check_prep(prep, chunks.size(0), H, dev);
-  B::Args a = base_args(chunks, chunks, H, prep);
-  a.nruns = 0;
-  a.q = q.data_ptr();
-  a.k = k.data_ptr();
-  a.v = v.data_ptr();
-  a.g = static_cast<const float*>(g.data_ptr());
-  a.beta = beta.data_ptr();
+  B::Args a = chunk_args(chunks, prep, H, q, k, v, g, beta, scale);
   a.dout = dout.data_ptr();
   a.h = static_cast<float*>(h.data_ptr());
   a.dh = static_cast<float*>(dh.data_ptr());
@@ -252,7 +205,6 @@ void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorVie
   a.dv = dv.data_ptr();
   a.dg = static_cast<float*>(dg.data_ptr());
   a.dbeta = dbeta.data_ptr();
-  a.scale = static_cast<float>(scale);
   raise_on(B::launch_grads(a, stream_of(q)), "kda bwd_grads launch");
 }
 

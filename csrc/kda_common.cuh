@@ -45,6 +45,21 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// D0 | D1 += A * B over a k16 x n16 B fragment pair (b[0], b[1]: cols 0..7; b[2], b[3]: cols 8..15).
+__device__ __forceinline__ void mma_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  mma(d0, a, b[0], b[1]);
+  mma(d1, a, b[2], b[3]);
+}
+
+// N m16n8 accumulator tiles = 0
+template <int N>
+__device__ __forceinline__ void zero_frags(float (&t)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) t[n][e] = 0.f;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -56,6 +71,23 @@ __device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t&
   __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
   hi = *reinterpret_cast<uint32_t*>(&h);
   lo = *reinterpret_cast<uint32_t*>(&l);
+}
+// A operand (16x16, hi + lo) from two adjacent m16n8 accumulator tiles t0 (cols 0..7), t1 (cols 8..15):
+// the accumulator layout of D is the register layout of an A fragment, so no shuffles are needed.
+__device__ __forceinline__ void split_afrag(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4],
+                                            uint32_t (&lo)[4]) {
+  split2(t0[0], t0[1], hi[0], lo[0]);
+  split2(t0[2], t0[3], hi[1], lo[1]);
+  split2(t1[0], t1[1], hi[2], lo[2]);
+  split2(t1[2], t1[3], hi[3], lo[3]);
+}
+// Negate a hi + lo operand pair: flips the sign bit of every bf16 (exact), so that an mma subtracts.
+__device__ __forceinline__ void negate_split(uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    hi[e] ^= 0x80008000u;
+    lo[e] ^= 0x80008000u;
+  }
 }
 
 // ---- fragment loads (tile pointers are bf16 bases of swizzled tiles; RL = row length 128 or 64) ----
@@ -92,5 +124,7 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// all but the most recently committed group have landed (double-buffered stage loads)
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 }  // namespace kda

@@ -9,8 +9,10 @@
 //      S = Diag(gamma) S + Kg^T V_new. The record of chunk c + 1 streams in (cp.async, three groups)
 //      while chunk c is computed. OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
 // Precision as v3 (NOTES.md): A diag(beta), Aqk and Aqk's operands, S and V_new carried as bf16 hi + lo.
+#include "kda_chunk_prep.cuh"
 #include "kda_common.cuh"
 #include "kda_fwd_staged.h"
+#include "kda_state_tile.cuh"
 
 namespace kda {
 
@@ -55,8 +57,6 @@ template <int RL>
 __device__ __forceinline__ void lda_tv(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
   ldsm4t(a, t + swv<RL>(k0 + (lane & 7) + ((lane >> 4) << 3), m0 + (((lane >> 3) & 1) << 3)));
 }
-
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 // =====================================================================================================
 // 1. prep
@@ -272,19 +272,15 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
         if (isL) {
           uint32_t af[4];
           lda<128>(af, sKr, I * 16, ks * 16, lane);
-          mma(acc[0], af, bh[0], bh[1]);
-          mma(acc[1], af, bh[2], bh[3]);
+          mma_n16(acc[0], acc[1], af, bh);
         } else {
           uint32_t bl[4], ah[4], al[4];
           ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
           lda<128>(ah, sQrh, I * 16, ks * 16, lane);
           lda<128>(al, sQrl, I * 16, ks * 16, lane);
-          mma(acc[0], ah, bh[0], bh[1]);
-          mma(acc[1], ah, bh[2], bh[3]);
-          mma(acc[0], ah, bl[0], bl[1]);
-          mma(acc[1], ah, bl[2], bl[3]);
-          mma(acc[0], al, bh[0], bh[1]);
-          mma(acc[1], al, bh[2], bh[3]);
+          mma_n16(acc[0], acc[1], ah, bh);
+          mma_n16(acc[0], acc[1], ah, bl);
+          mma_n16(acc[0], acc[1], al, bh);
         }
       }
 #pragma unroll
@@ -338,20 +334,7 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
 
   __syncthreads();  // Qr is read (Qg) before A overwrites it
   // ---- A = (I + L)^-1 in FP32: diagonal blocks (column-oriented substitution), then levels ----
-  if (tid < 64) {
-    const int I = tid >> 4, c = tid & 15;
-    const float* Lb = sL + (I * 16) * LDL + I * 16;
-    float x[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) x[r] = (r == c) ? 1.f : 0.f;
-#pragma unroll
-    for (int m = 0; m < 15; ++m) {
-#pragma unroll
-      for (int r = m + 1; r < 16; ++r) x[r] = fmaf(-Lb[r * LDL + m], x[m], x[r]);
-    }
-#pragma unroll
-    for (int r = 0; r < 16; ++r) sA[(I * 16 + r) * LDL + I * 16 + c] = x[r];
-  }
+  invert_diag_blocks<LDL>(sL, sA, tid);
   __syncthreads();
 #pragma unroll
   for (int it = 0; it < 4; ++it) {  // staged Qg and Kg to the record in 16-byte pieces (before A diag(beta)
@@ -402,10 +385,8 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
           for (int np = 0; np < 2; ++np) {
             uint32_t b[4];
             ldb_t<128>(b, sX, ks * 16, nq * 32 + np * 16, lane);
-            mma(acc[u][2 * np], ah, b[0], b[1]);
-            mma(acc[u][2 * np + 1], ah, b[2], b[3]);
-            mma(acc[u][2 * np], al, b[0], b[1]);
-            mma(acc[u][2 * np + 1], al, b[2], b[3]);
+            mma_n16(acc[u][2 * np], acc[u][2 * np + 1], ah, b);
+            mma_n16(acc[u][2 * np], acc[u][2 * np + 1], al, b);
           }
         }
       }
@@ -545,10 +526,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 
     // ---- U^T = V^T (A diag(beta))^T ----
     float VN[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) VN[n][e] = 0.f;
+    zero_frags(VN);
     if (isE) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
@@ -560,10 +538,8 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
             uint32_t bh[4], bl[4];
             ldb_tri(bh, sAbh, tri_blk(np, ks), lane);
             ldb_tri(bl, sAbl, tri_blk(np, ks), lane);
-            mma(VN[2 * np], va, bh[0], bh[1]);
-            mma(VN[2 * np + 1], va, bh[2], bh[3]);
-            mma(VN[2 * np], va, bl[0], bl[1]);
-            mma(VN[2 * np + 1], va, bl[2], bl[3]);
+            mma_n16(VN[2 * np], VN[2 * np + 1], va, bh);
+            mma_n16(VN[2 * np], VN[2 * np + 1], va, bl);
           }
         }
       }
@@ -576,32 +552,22 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 
     // ---- V_new^T = U^T + S^T (-W)^T ; O^T = S^T Qg^T (S as hi + lo) ----
     float O[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) O[n][e] = 0.f;
+    zero_frags(O);
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       uint32_t sh[4], sl[4];
-      split2(ST[2 * ks][0], ST[2 * ks][1], sh[0], sl[0]);
-      split2(ST[2 * ks][2], ST[2 * ks][3], sh[1], sl[1]);
-      split2(ST[2 * ks + 1][0], ST[2 * ks + 1][1], sh[2], sl[2]);
-      split2(ST[2 * ks + 1][2], ST[2 * ks + 1][3], sh[3], sl[3]);
+      split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t bw[4];
         ldb<128>(bw, sW, ks * 16, np * 16, lane);
-        mma(VN[2 * np], sh, bw[0], bw[1]);
-        mma(VN[2 * np + 1], sh, bw[2], bw[3]);
-        mma(VN[2 * np], sl, bw[0], bw[1]);
-        mma(VN[2 * np + 1], sl, bw[2], bw[3]);
+        mma_n16(VN[2 * np], VN[2 * np + 1], sh, bw);
+        mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
         if constexpr (OUT) {
           uint32_t bq[4];
           ldb<128>(bq, sQg, ks * 16, np * 16, lane);
-          mma(O[2 * np], sh, bq[0], bq[1]);
-          mma(O[2 * np + 1], sh, bq[2], bq[3]);
-          mma(O[2 * np], sl, bq[0], bq[1]);
-          mma(O[2 * np + 1], sl, bq[2], bq[3]);
+          mma_n16(O[2 * np], O[2 * np + 1], sh, bq);
+          mma_n16(O[2 * np], O[2 * np + 1], sl, bq);
         }
       }
     }
@@ -615,10 +581,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     uint32_t vh[4][4], vl[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      split2(VN[2 * ks][0], VN[2 * ks][1], vh[ks][0], vl[ks][0]);
-      split2(VN[2 * ks][2], VN[2 * ks][3], vh[ks][1], vl[ks][1]);
-      split2(VN[2 * ks + 1][0], VN[2 * ks + 1][1], vh[ks][2], vl[ks][2]);
-      split2(VN[2 * ks + 1][2], VN[2 * ks + 1][3], vh[ks][3], vl[ks][3]);
+      split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
     }
     if constexpr (OUT) {
       // O^T += V_new^T Aqk^T (lower blocks only)
@@ -630,12 +593,9 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
             uint32_t bh[4], bl[4];
             ldb_tri(bh, sAqh, tri_blk(np, ks), lane);
             ldb_tri(bl, sAql, tri_blk(np, ks), lane);
-            mma(O[2 * np], vh[ks], bh[0], bh[1]);
-            mma(O[2 * np + 1], vh[ks], bh[2], bh[3]);
-            mma(O[2 * np], vl[ks], bh[0], bh[1]);
-            mma(O[2 * np + 1], vl[ks], bh[2], bh[3]);
-            mma(O[2 * np], vh[ks], bl[0], bl[1]);
-            mma(O[2 * np + 1], vh[ks], bl[2], bl[3]);
+            mma_n16(O[2 * np], O[2 * np + 1], vh[ks], bh);
+            mma_n16(O[2 * np], O[2 * np + 1], vl[ks], bh);
+            mma_n16(O[2 * np], O[2 * np + 1], vh[ks], bl);
           }
         }
       }
@@ -673,17 +633,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       ST[nt][3] *= ga.y;
     }
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-      for (int np = 0; np < 8; ++np) {
-        uint32_t b[4];
-        ldb_t<128>(b, sKg, ks * 16, np * 16, lane);
-        mma(ST[2 * np], vh[ks], b[0], b[1]);
-        mma(ST[2 * np + 1], vh[ks], b[2], b[3]);
-        mma(ST[2 * np], vl[ks], b[0], b[1]);
-        mma(ST[2 * np + 1], vl[ks], b[2], b[3]);
-      }
-    }
+    for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
   }
   cp_async_wait_all();
 

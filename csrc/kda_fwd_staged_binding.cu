@@ -1,28 +1,14 @@
 // TVM-FFI entry points of the staged forward (v4). Checks first (they raise Python exceptions), then the
 // launch on the caller's current stream. Nothing is allocated here: Python hands in every buffer,
 // including the workspace of (chunk, head) records.
-#include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/error.h>
-#include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
 
+#include "kda_ffi_checks.h"
 #include "kda_fwd_staged.h"
 
 namespace {
 
-using tvm::ffi::TensorView;
-
-constexpr int kD = 128;
-
-bool is_dtype(const TensorView& t, int code, int bits) {
-  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
-}
-
-void check_cuda(const TensorView& t, const char* name, int dev) {
-  TVM_FFI_CHECK(t.device().device_type == kDLCUDA, ValueError) << name << " must be a CUDA tensor";
-  TVM_FFI_CHECK(t.device().device_id == dev, ValueError) << name << " is on another device";
-  TVM_FFI_CHECK(t.IsContiguous(), ValueError) << name << " must be contiguous";
-}
+using namespace kda::ffi_checks;
 
 void check_thd(const TensorView& t, const char* name, int64_t T, int64_t H, int code, int bits, int dev) {
   check_cuda(t, name, dev);
@@ -32,32 +18,11 @@ void check_thd(const TensorView& t, const char* name, int64_t T, int64_t H, int 
       << name << (code == kDLFloat ? " must be float32" : " must be bfloat16");
 }
 
-void check_table(const TensorView& t, const char* name, int cols, int dev) {
-  check_cuda(t, name, dev);
-  TVM_FFI_CHECK(t.ndim() == 2 && t.size(1) == cols && is_dtype(t, kDLInt, 32), ValueError)
-      << name << " must be int32 [n, " << cols << "]";
-}
-
 void check_ws(const TensorView& ws, int64_t records, int dev) {
   check_cuda(ws, "workspace", dev);
   TVM_FFI_CHECK(is_dtype(ws, kDLUInt, 8) && ws.ndim() == 1, TypeError) << "workspace must be uint8 [n]";
   TVM_FFI_CHECK(ws.size(0) >= records * kda::kStagedRecordBytes, ValueError)
       << "workspace holds " << ws.size(0) << " bytes, needs " << records * kda::kStagedRecordBytes;
-}
-
-void check_state(const TensorView& s, const char* name, int64_t H, int dev) {
-  check_cuda(s, name, dev);
-  TVM_FFI_CHECK(is_dtype(s, kDLFloat, 32), TypeError) << name << " must be float32";
-  TVM_FFI_CHECK(s.ndim() == 4 && s.size(1) == H && s.size(2) == kD && s.size(3) == kD, ValueError)
-      << name << " must be [n, H, 128, 128]";
-}
-
-cudaStream_t stream_of(const TensorView& t) {
-  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, t.device().device_id));
-}
-
-void raise_on(cudaError_t err, const char* what) {
-  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << what << ": " << cudaGetErrorString(err);
 }
 
 // Records of the chunks in `chunks` (rows (tok_start, nrows)) into ws, record index chunk * H + head.
@@ -113,14 +78,8 @@ void staged_walk_output(TensorView v, TensorView ws, TensorView segs, int64_t nr
   const int dev = v.device().device_id;
   const int64_t H = v.size(1);
   check_thd(o, "o", v.size(0), H, kDLBfloat, 16, dev);
-  if (state_in.numel() > 0) {
-    check_state(state_in, "state_in", H, dev);
-    a.state_in = static_cast<const float*>(state_in.data_ptr());
-  }
-  if (sin.numel() > 0) {
-    check_state(sin, "segment states", H, dev);
-    a.sin = static_cast<const float*>(sin.data_ptr());
-  }
+  a.state_in = optional_state(state_in, "state_in", H, dev);
+  a.sin = optional_state(sin, "segment states", H, dev);
   a.o = o.data_ptr();
   TVM_FFI_CHECK(warps == 2 || warps == 4 || warps == 8, ValueError) << "warps must be 2, 4 or 8";
   raise_on(kda::launch_staged_walk_output(a, static_cast<int>(warps), stream_of(v)), "kda staged_walk_output launch");
@@ -132,8 +91,8 @@ void staged_walk_summary(TensorView v, TensorView ws, TensorView segs, int64_t n
   kda::WalkArgs a = walk_args(v, ws, segs, nrec);
   const int dev = v.device().device_id;
   const int64_t H = v.size(1);
-  check_state(m_out, "M", H, dev);
-  check_state(e_out, "E", H, dev);
+  check_state(m_out, "M", -1, H, dev);
+  check_state(e_out, "E", -1, H, dev);
   TVM_FFI_CHECK(m_out.size(0) == e_out.size(0), ValueError) << "M and E must have the same length";
   a.m_out = static_cast<float*>(m_out.data_ptr());
   a.e_out = static_cast<float*>(e_out.data_ptr());
