@@ -35,7 +35,7 @@ summary=""
 cat > /tmp/v4_smoke.py <<'PY'
 import sys, torch
 sys.path.insert(0, '.')
-from tests.gpu.test_fwd_staged import make_inputs, local_plan, rel
+from tests.gpu.gpu_common import make_inputs, local_plan, rel
 from kda_kcp.cuda.staged import fwd_output
 from kda_kcp.reference import naive_kda
 gen = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 3)

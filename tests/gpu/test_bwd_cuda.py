@@ -6,8 +6,6 @@ before each call (through the caching allocator), so an unwritten element shows 
 
 from __future__ import annotations
 
-import os
-import time
 
 import pytest
 import torch
@@ -15,70 +13,24 @@ import torch
 from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.reference import naive_kda
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU: the CUDA backward tests need one", allow_module_level=True)
-if torch.cuda.get_device_capability() not in ((9, 0), (10, 0), (10, 3)):
-    pytest.skip(
-        f"{torch.cuda.get_device_name()} is sm_{''.join(map(str, torch.cuda.get_device_capability()))}: "
-        "the kernels are built for sm_90a / sm_100a / sm_103a",
-        allow_module_level=True,
-    )
+from gpu_common import DEV, fresh_seed, local_plan, poison_like, random_docs, rel, require_kernel_gpu
+from gpu_common import make_inputs as _inputs
+
+require_kernel_gpu("the CUDA backward tests")
 
 from kda_kcp.cuda import backward as cb  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
 
-DEV = torch.device("cuda")
-SEED = int(os.environ.get("KDA_TEST_SEED", str(int(time.time() * 1000) % 2**31)))
-print(f"[test_bwd_cuda] seed {SEED}")
+SEED = fresh_seed("test_bwd_cuda")
 SCALE = 128**-0.5
 TOL = {"dq": 6e-3, "dk": 6e-3, "dv": 6e-3, "dg": 1e-2, "dbeta": 1e-2}
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def make_inputs(T, H, gen, gate="mixed"):
-    q = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
-    v = torch.randn(T, H, 128, generator=gen).bfloat16()
-    if gate == "mixed":  # -5 sigmoid(x), slow channels, and one token of the extreme gate
-        g = -5 * torch.sigmoid(torch.randn(T, H, 128, generator=gen) * 2 - 1)
-        slow = torch.rand(1, H, 128, generator=gen) < 0.25
-        g = torch.where(slow, -0.02 * torch.rand(T, H, 128, generator=gen), g)
-    else:
-        g = -5 * torch.rand(T, H, 128, generator=gen)
-    g = g.clamp(-5.0, -1e-6)
-    if T > 3:
-        g[T // 3] = -5.0
-    beta = (0.05 + 0.9 * torch.rand(T, H, generator=gen)).bfloat16()
-    do = torch.randn(T, H, 128, generator=gen).bfloat16()
-    return [x.to(DEV) for x in (q, k, v, g.float(), beta)], do.to(DEV)
-
-
-def local_plan(cu):
-    T = cu[-1]
-    kp = build_plan(cu, [[(0, T)]])
-    return LocalPlan(T, kp.rank_runs[0])
-
-
-def random_docs(total, gen, lo=1, hi=5000):
-    lens = [1, 63, 64, 65]
-    while sum(lens) < total:
-        lens.append(int(torch.randint(lo, hi + 1, (1,), generator=gen)))
-    lens.insert(2, 0)  # a zero-length document
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
-
-
-def poison_like(*tensors):
-    """Fill the caching allocator's next blocks of these sizes with NaN, so an unwritten gradient shows."""
-    bufs = [torch.full_like(t, float("nan")) for t in tensors]
-    del bufs
+    """The forward inputs, then an output gradient drawn from the same generator."""
+    inputs = _inputs(T, H, gen, gate)
+    return inputs, torch.randn(T, H, 128, generator=gen).bfloat16().to(DEV)
 
 
 def run_bwd(inputs, do, plan, state_in=None, dstate_out=None, deterministic=True):

@@ -13,19 +13,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU: the staged forward tests need one", allow_module_level=True)
-if torch.cuda.get_device_capability() not in ((9, 0), (10, 0), (10, 3)):
-    pytest.skip(
-        f"{torch.cuda.get_device_name()} is sm_{''.join(map(str, torch.cuda.get_device_capability()))}: "
-        "the kernels are built for sm_90a / sm_100a / sm_103a",
-        allow_module_level=True,
-    )
+from gpu_common import DEV, fresh_seed, local_plan, make_inputs, random_docs, rel, require_kernel_gpu, run_fwd
+
+require_kernel_gpu("the staged forward tests")
 
 from kda_kcp.cuda import CudaBackend  # noqa: E402  (its default forward is v4)
 from kda_kcp.cuda.staged import staged_tables  # noqa: E402
@@ -33,59 +27,7 @@ from kda_kcp.plan import LocalPlan, build_plan  # noqa: E402
 from kda_kcp.reference import naive_kda  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
 
-DEV = torch.device("cuda")
-SEED = int(os.environ.get("KDA_TEST_SEED", str(int(time.time() * 1000) % 2**31)))
-print(f"[test_fwd_staged] seed {SEED}")
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def make_inputs(T, H, gen, gate="mixed", device=DEV):
-    q = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
-    k = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
-    v = torch.randn(T, H, 128, generator=gen).bfloat16()
-    if gate == "mixed":  # -5 sigmoid(x), plus slow channels and the extreme gate
-        g = -5 * torch.sigmoid(torch.randn(T, H, 128, generator=gen) * 2 - 1)
-        slow = torch.rand(1, H, 128, generator=gen) < 0.25
-        g = torch.where(slow, -0.02 * torch.rand(T, H, 128, generator=gen), g)
-    else:
-        g = -5 * torch.rand(T, H, 128, generator=gen)
-    g = g.clamp(-5.0, -1e-6)
-    if T > 3:
-        g[T // 3] = -5.0
-    beta = (0.05 + 0.9 * torch.rand(T, H, generator=gen)).bfloat16()
-    return [x.to(device) for x in (q, k, v, g.float(), beta)]
-
-
-def local_plan(cu):
-    T = cu[-1]
-    kp = build_plan(cu, [[(0, T)]])
-    return LocalPlan(T, kp.rank_runs[0])
-
-
-def random_docs(total, gen, lo=1, hi=5000):
-    lens = [1, 63, 64, 65]
-    while sum(lens) < total:
-        lens.append(int(torch.randint(lo, hi + 1, (1,), generator=gen)))
-    lens.insert(2, 0)  # a zero-length document
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
-
-
-def poison(shape, dtype):
-    """Fill the caching allocator's next block of this size with NaN, so an unwritten output shows."""
-    x = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
-    del x
-
-
-def run_fwd(be, inputs, scale, plan, state_in=None):
-    poison(inputs[0].shape, torch.bfloat16)
-    return be.fwd_output(*inputs, scale, plan, state_in)
+SEED = fresh_seed("test_fwd_staged")
 
 
 _ORACLE: dict = {}
@@ -168,7 +110,7 @@ def test_bitwise_repeat_and_two_processes():
         f"""
         import hashlib, torch, sys
         sys.path.insert(0, {os.getcwd()!r})
-        from tests.gpu.test_fwd_staged import make_inputs, local_plan
+        from tests.gpu.gpu_common import make_inputs, local_plan
         from kda_kcp.cuda import CudaBackend
         gen = torch.Generator().manual_seed(1234)
         inputs = make_inputs(9000, 4, gen)

@@ -14,21 +14,11 @@ import pytest
 import torch
 
 from kda_kcp.cuda.staged import CHUNK, choose_segment_chunks_v4, model_time, staged_tables
-from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.torch_backend import TorchBackend
 
+from gpu_common import local_plan, rel
+
 D = 128
-
-
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def local_plan(cu):
-    T = cu[-1]
-    kp = build_plan(cu, [[(0, T)]])
-    return LocalPlan(T, kp.rank_runs[0])
 
 
 def make_inputs(T, H, gen, dk=D):
