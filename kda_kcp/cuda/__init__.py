@@ -45,15 +45,20 @@ class CudaBackend:
         # forward: "staged" (v4) or "fused" (v3); None reads KDA_KCP_FWD_KERNEL at each call (default staged)
         self.deterministic = deterministic
         self.forward = forward
+        self._loaded: set[str] = set()  # devices whose programs are loaded (select_backend asks every call)
 
     def load(self, device) -> None:
         """Load (prebuilt or JIT-build) the programs for ``device`` now, so that a missing compiler or
         arch build surfaces at backend selection (KernelBuildError), not inside a call."""
+        key = str(torch.device(device))
+        if key in self._loaded:
+            return
         _module(device)
         staged.load_staged(device)
         from .backward import load
 
         load(device)
+        self._loaded.add(key)
 
     # ---------------- forward ----------------
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
