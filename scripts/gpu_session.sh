@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One device call: set up a bare GPU machine, then run the stages named as arguments, in order, each
+# under what is left of the call's budget ($BUDGET seconds, default 540). Full logs go under $OUT; a
+# short summary comes last.
+#
+#   warm       start FLA's Triton compiles in the background (scripts/warm_fla_cache.py, one process per
+#              head count in $HEADS, on the last GPU); bench stages wait for them
+#   tests      the one-GPU tests: tests/gpu/test_fwd_staged.py and tests/gpu/test_bwd_cuda.py
+#   nccl       tests/gpu/test_kcp_nccl.py (W = 2 over NCCL; needs 2 GPUs)
+#   bench1     benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS (ops $OPS, arms det nd control fla)
+#   bench2     benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 (all layouts, arms + fla_cp)
+#   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16
+#   demo       python -m kda_kcp.demo (the README's main command)
+#   cache      pack Triton's cache into $OUT/triton-cache.tgz (carry it as .build/triton-cache.tgz)
+#
+# Setup (always): install the carried wheels (.whl), copy the prebuilt .so files from .build/prebuilt/<arch>
+# (built without a GPU: scripts/build_prebuilt.py), unpack .build/triton-cache.tgz if carried.
+# Device command, from the repository root, carrying .whl, .build/prebuilt, .build/triton-cache.tgz:
+#   bash scripts/gpu_session.sh warm tests nccl bench1 cache
+set -o pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+HEADS=${HEADS:-4 16 64}; HEADS2=${HEADS2:-$HEADS}; OPS=${OPS:-fwd bwd ckpt}
+left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
+arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}a')")
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ -d ".build/prebuilt/$arch" ]; then
+  mkdir -p "kda_kcp/prebuilt/$arch" && cp .build/prebuilt/"$arch"/*.so "kda_kcp/prebuilt/$arch/"
+fi
+if [ -f .build/triton-cache.tgz ]; then mkdir -p ~/.triton && tar xzf .build/triton-cache.tgz -C ~/.triton; fi
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+summary=""
+add() { summary="$summary\n$*"; }
+warm_pids=()
+wait_warm() {
+  for p in "${warm_pids[@]}"; do wait "$p"; done
+  warm_pids=()
+  [ -f "$OUT/warm.log" ] && add "warm: $(grep -c 'warm_fla_cache:' "$OUT/warm.log") compiles done, $(( $(date +%s) - T0 )) s into the call"
+}
+for st in "$@"; do
+  echo "== $st ($(left) s left)"
+  case "$st" in
+    warm)
+      for h in $HEADS; do
+        python3 scripts/warm_fla_cache.py --heads "$h" --device $(( ngpu - 1 )) >> "$OUT/warm.log" 2>&1 &
+        warm_pids+=($!)
+      done;;
+    tests)
+      timeout $(( $(left) - 30 )) python3 -m pytest -q -s -p no:cacheprovider --durations=8 \
+        tests/gpu/test_fwd_staged.py tests/gpu/test_bwd_cuda.py > "$OUT/tests.log" 2>&1
+      grep -E "rel|vs |passed|failed|Error|assert" "$OUT/tests.log" | tail -40
+      add "tests: $(tail -1 "$OUT/tests.log")";;
+    nccl)
+      if [ "$ngpu" -lt 2 ]; then add "nccl: skipped ($ngpu GPU)"; continue; fi
+      timeout $(( $(left) - 30 )) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kcp_nccl.py \
+        > "$OUT/nccl.log" 2>&1
+      grep -E "FAILED|W=2 o|passed|failed|ok$" "$OUT/nccl.log" | tail -40
+      add "nccl: $(tail -1 "$OUT/nccl.log")";;
+    bench1)
+      wait_warm
+      timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS --ops $OPS \
+        --arms det nd control fla ${BENCH_ARGS:-} --json "$OUT/bench_w1.json" --plot "$OUT/bench_w1.png" \
+        > "$OUT/bench_w1.log" 2>&1
+      add "bench1 rc=$?"; tail -45 "$OUT/bench_w1.log";;
+    bench2)
+      wait_warm
+      if [ "$ngpu" -lt 2 ]; then add "bench2: skipped ($ngpu GPU)"; continue; fi
+      timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 --ops $OPS \
+        ${BENCH_ARGS:-} --json "$OUT/bench_w2.json" --plot "$OUT/bench_w2.png" > "$OUT/bench_w2.log" 2>&1
+      add "bench2 rc=$?"; tail -60 "$OUT/bench_w2.log";;
+    ncu)
+      timeout $(( $(left) - 20 )) ncu --clock-control none --launch-skip 0 --launch-count 12 \
+        --kernel-name-base demangled -k "regex:prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 scripts/profile_step.py --heads 16 > "$OUT/ncu.log" 2>&1
+      add "ncu rc=$?"; grep -E "^  [a-z_].*\(|Duration|Throughput|Registers|Achieved Occupancy|Block Limit" "$OUT/ncu.log" | head -120;;
+    demo)
+      timeout 120 python3 -m kda_kcp.demo > "$OUT/demo.log" 2>&1; add "demo rc=$?: $(tail -2 "$OUT/demo.log" | tr '\n' ' ')";;
+    cache)
+      wait_warm
+      (cd ~/.triton 2>/dev/null && tar czf "$OUT/triton-cache.tgz" cache) && add "cache: $(du -h "$OUT/triton-cache.tgz" | cut -f1)";;
+    *) echo "unknown stage $st"; exit 2;;
+  esac
+done
+wait_warm
+echo
+echo "== summary ($(( $(date +%s) - T0 )) s)"
+echo -e "$summary"
+for f in "$OUT"/bench_w1.log "$OUT"/bench_w2.log; do [ -f "$f" ] && sed -n '/^| /p' "$f" | head -60; done

@@ -1,0 +1,44 @@
+#!/usr/bin/env python
+"""One CUDA forward + backward of kda_kcp on the benchmark batch (W = 1), for a profiler to watch:
+
+    ncu --clock-control none -k regex:"prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" \
+        python scripts/profile_step.py --heads 16
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kda_kcp  # noqa: E402
+
+DOCS = (42024, 57573, 73122, 88673)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--deterministic", type=int, default=1)
+    args = p.parse_args()
+    dev, H = torch.device("cuda"), args.heads
+    cu = [0]
+    for n in DOCS:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16().requires_grad_()
+    k = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16().requires_grad_()
+    v = torch.randn(T, H, 128, device=dev).bfloat16().requires_grad_()
+    g = F.logsigmoid(2 + 1.5 * torch.randn(T, H, 128, device=dev)).clamp_min(-5).requires_grad_()
+    beta = torch.sigmoid(torch.randn(T, H, device=dev)).bfloat16().requires_grad_()
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
+    o = kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=bool(args.deterministic))
+    torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o))
+    torch.cuda.synchronize()
+    print(f"profile_step: H={H} T={T} done")
+
+
+if __name__ == "__main__":
+    main()
