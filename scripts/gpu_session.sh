@@ -11,11 +11,12 @@
 #   bench2     benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 (all layouts, arms + fla_cp)
 #   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16
 #   demo       python -m kda_kcp.demo (the README's main command)
-#   cache      pack Triton's cache into $OUT/triton-cache.tgz (carry it as .build/triton-cache.tgz)
+#   cache      pack Triton's cache (binaries, metadata, autotune results) into $OUT/triton-cache-part-*; carry them back as .build/triton-cache/part-*
 #
 # Setup (always): install the carried wheels (.whl), copy the prebuilt .so files from .build/prebuilt/<arch>
-# (built without a GPU: scripts/build_prebuilt.py), unpack .build/triton-cache.tgz if carried.
-# Device command, from the repository root, carrying .whl, .build/prebuilt, .build/triton-cache.tgz:
+# (built without a GPU: scripts/build_prebuilt.py), unpack .build/triton-cache.tgz and .build/triton-cache/part-* if carried.
+# Logs are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
+# Device command, from the repository root, carrying .whl, .build/prebuilt, .build/triton-cache:
 #   bash scripts/gpu_session.sh warm tests nccl bench1 cache
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +31,9 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ -d ".build/prebuilt/$arch" ]; then
   mkdir -p "kda_kcp/prebuilt/$arch" && cp .build/prebuilt/"$arch"/*.so "kda_kcp/prebuilt/$arch/"
 fi
-if [ -f .build/triton-cache.tgz ]; then mkdir -p ~/.triton && tar xzf .build/triton-cache.tgz -C ~/.triton; fi
+mkdir -p ~/.triton
+if [ -f .build/triton-cache.tgz ]; then tar xzf .build/triton-cache.tgz -C ~/.triton; fi
+if ls .build/triton-cache/part-* > /dev/null 2>&1; then cat .build/triton-cache/part-* | tar xzf - -C ~/.triton; fi
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 summary=""
 add() { summary="$summary\n$*"; }
@@ -69,7 +72,7 @@ for st in "$@"; do
       wait_warm
       if [ "$ngpu" -lt 2 ]; then add "bench2: skipped ($ngpu GPU)"; continue; fi
       timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 --ops $OPS \
-        ${BENCH_ARGS:-} --json "$OUT/bench_w2.json" --plot "$OUT/bench_w2.png" > "$OUT/bench_w2.log" 2>&1
+        ${BENCH2_ARGS:-} --json "$OUT/bench_w2.json" --plot "$OUT/bench_w2.png" > "$OUT/bench_w2.log" 2>&1
       add "bench2 rc=$?"; tail -60 "$OUT/bench_w2.log";;
     ncu)
       timeout $(( $(left) - 20 )) ncu --clock-control none --launch-skip 0 --launch-count 12 \
@@ -81,7 +84,9 @@ for st in "$@"; do
       timeout 120 python3 -m kda_kcp.demo > "$OUT/demo.log" 2>&1; add "demo rc=$?: $(tail -2 "$OUT/demo.log" | tr '\n' ' ')";;
     cache)
       wait_warm
-      (cd ~/.triton 2>/dev/null && tar czf "$OUT/triton-cache.tgz" cache) && add "cache: $(du -h "$OUT/triton-cache.tgz" | cut -f1)";;
+      # binaries, metadata and autotune results only (what a cache hit reads), in parts under the 16 MiB limit
+      (cd ~/.triton && find cache -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) | tar czf - -T - \
+        | split -b 15m - "$OUT/triton-cache-part-") && add "cache: $(du -ch "$OUT"/triton-cache-part-* | tail -1 | cut -f1)";;
     *) echo "unknown stage $st"; exit 2;;
   esac
 done
@@ -90,3 +95,5 @@ echo
 echo "== summary ($(( $(date +%s) - T0 )) s)"
 echo -e "$summary"
 for f in "$OUT"/bench_w1.log "$OUT"/bench_w2.log; do [ -f "$f" ] && sed -n '/^| /p' "$f" | head -60; done
+(cd "$OUT" && tar czf logs.tgz $(ls | grep -v -e '^triton-cache-part-' -e '\.png$') && find . -maxdepth 1 -type f \
+  ! -name logs.tgz ! -name 'triton-cache-part-*' ! -name '*.png' -delete)
