@@ -433,11 +433,13 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   const int tile = blockIdx.x, seg = blockIdx.y, h = blockIdx.z;
   const int H = a.H;
   const int32_t* row = a.segs + seg * 8;
-  const int64_t tok0 = row[0];
-  const int ntok = row[1];
   const int64_t rec0 = row[2];
   const int idx = row[3], kind = row[4];
-  const int nchunks = (ntok + C - 1) / C;
+  const int nchunks = row[5];
+  // a chunk's tokens come from the chunk table: the first chunk of a run that starts inside a document
+  // is partial (it ends on the document's 64-token grid, kda_kcp/plan.py)
+  auto chunk_tok = [&](int ch) { return static_cast<int64_t>(a.chunks[2 * (rec0 + ch)]); };
+  auto chunk_rows = [&](int ch) { return a.chunks[2 * (rec0 + ch) + 1]; };
   const int vbase = tile * VT;           // virtual column: output [0, 128); summary M [0, 128), E [128, 256)
   const bool isE = OUT || vbase >= D;    // columns with a U term
   const int vt0 = vbase & (D - 1);
@@ -463,8 +465,8 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   auto issue_a = [&](int ch) {
     if (isE) {
       copy_range<NT>(smem, record(ch), R_ABH, 2 * TRI, tid);
-      const int64_t tok = tok0 + static_cast<int64_t>(ch) * C;
-      const int nr = min(C, ntok - ch * C);
+      const int64_t tok = chunk_tok(ch);
+      const int nr = chunk_rows(ch);
       constexpr int PPR = VT / 8;  // 16-byte pieces per row
       for (int p = tid; p < C * PPR; p += NT) {
         const int r = p / PPR, c = (p % PPR) * 8;
@@ -609,8 +611,8 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
           sO[swv<16>(t, c)] = __float2bfloat16_rn(O[n][e]);
         }
       __syncwarp();
-      const int64_t tok = tok0 + static_cast<int64_t>(ch) * C;
-      const int nrows = min(C, ntok - ch * C);
+      const int64_t tok = chunk_tok(ch);
+      const int nrows = chunk_rows(ch);
       __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.o);
 #pragma unroll
       for (int it = 0; it < 4; ++it) {

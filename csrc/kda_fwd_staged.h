@@ -35,7 +35,8 @@ struct PrepArgs {
 struct WalkArgs {
   const void* v;
   const void* ws;
-  const int32_t* segs;  // [nseg][8] = (tok_start, ntok, first chunk record, idx, kind, 0, 0, 0)
+  const int32_t* chunks;  // [nchunk][2] = (tok_start, rows): the chunk table the records were made from
+  const int32_t* segs;    // [nseg][8] = (tok_start, ntok, first chunk, idx, kind, chunks, 0, 0)
   int nseg;
   int H;
   // output walk: kind 0: state_in[idx] (null: zero), kind 1: sin[idx]

@@ -54,27 +54,30 @@ void staged_prep(TensorView q, TensorView k, TensorView g, TensorView beta, Tens
   raise_on(kda::launch_staged_prep(a, stream_of(q)), "kda staged_prep launch");
 }
 
-kda::WalkArgs walk_args(const TensorView& v, const TensorView& ws, const TensorView& segs, int64_t nrec) {
+kda::WalkArgs walk_args(const TensorView& v, const TensorView& ws, const TensorView& chunks, const TensorView& segs) {
   const int dev = v.device().device_id;
   TVM_FFI_CHECK(v.ndim() == 3, ValueError) << "v must be [T, H, 128]";
   check_thd(v, "v", v.size(0), v.size(1), kDLBfloat, 16, dev);
+  check_table(chunks, "chunk table", 2, dev);
   check_table(segs, "segment table", 8, dev);
   TVM_FFI_CHECK(segs.size(0) <= 65535 && v.size(1) <= 65535, ValueError) << "too many segments or heads";
-  check_ws(ws, nrec * v.size(1), dev);
+  check_ws(ws, chunks.size(0) * v.size(1), dev);
   kda::WalkArgs a{};
   a.v = v.data_ptr();
   a.ws = ws.data_ptr();
+  a.chunks = static_cast<const int32_t*>(chunks.data_ptr());
   a.segs = static_cast<const int32_t*>(segs.data_ptr());
   a.nseg = static_cast<int>(segs.size(0));
   a.H = static_cast<int>(v.size(1));
   return a;
 }
 
-// o of the segments in segs (rows (tok_start, ntok, first record, idx, kind, ...)); nrec = chunk records
-// per head in ws; state_in [R,H,K,V] (numel 0 = none); sin [slots,H,K,V] (numel 0 = none).
-void staged_walk_output(TensorView v, TensorView ws, TensorView segs, int64_t nrec, TensorView state_in,
+// o of the segments in segs (rows (tok_start, ntok, first chunk, idx, kind, chunks, ...)); chunks = the
+// chunk table the records of ws were made from; state_in [R,H,K,V] (numel 0 = none); sin [slots,H,K,V]
+// (numel 0 = none).
+void staged_walk_output(TensorView v, TensorView ws, TensorView chunks, TensorView segs, TensorView state_in,
                         TensorView sin, TensorView o, int64_t warps) {
-  kda::WalkArgs a = walk_args(v, ws, segs, nrec);
+  kda::WalkArgs a = walk_args(v, ws, chunks, segs);
   const int dev = v.device().device_id;
   const int64_t H = v.size(1);
   check_thd(o, "o", v.size(0), H, kDLBfloat, 16, dev);
@@ -86,9 +89,9 @@ void staged_walk_output(TensorView v, TensorView ws, TensorView segs, int64_t nr
 }
 
 // Summaries (M, E) from a zero state of the segments in segs (idx = output slot).
-void staged_walk_summary(TensorView v, TensorView ws, TensorView segs, int64_t nrec, TensorView m_out,
+void staged_walk_summary(TensorView v, TensorView ws, TensorView chunks, TensorView segs, TensorView m_out,
                          TensorView e_out, int64_t warps) {
-  kda::WalkArgs a = walk_args(v, ws, segs, nrec);
+  kda::WalkArgs a = walk_args(v, ws, chunks, segs);
   const int dev = v.device().device_id;
   const int64_t H = v.size(1);
   check_state(m_out, "M", -1, H, dev);

@@ -1,7 +1,10 @@
 """The plan of one call: runs, chunks and the KCP exchange slots (host arithmetic, built once per context).
 
 A *run* is a maximal range of local tokens that belongs to one document inside one piece. Every run
-is walked as its own chain of chunks (chunk size 64, restarting at every run start). A run whose
+is walked as its own chain of chunks of 64 tokens on its document's grid: a run that starts inside a
+document (at a piece boundary) opens with a partial chunk up to the next multiple of 64 from the
+document start, so every later chunk holds exactly the tokens it holds in the single-GPU run and KCP
+computes the same chunk products as W = 1 everywhere but in the chunk the boundary cuts. A run whose
 document continues on a later piece publishes its forward summary (M, E); a run whose document
 started on an earlier piece publishes its backward summary (M^T, F). Because the partition is a pure
 function of (cu_seqlens, world size, layout), every rank knows every rank's runs and slot numbers, so
@@ -30,6 +33,24 @@ class Run:
     global_start: int
     starts_doc: bool  # the document starts with this run (state enters as zero)
     ends_doc: bool  # the document ends with this run (no state leaves it)
+    doc_offset: int = 0  # tokens of the document before this run
+
+    def chunk_lengths(self, size: int = CHUNK) -> list[int]:
+        """Rows of each chunk of this run, on the document's grid (the first may be partial)."""
+        head = min((-self.doc_offset) % size, self.length)
+        full, tail = divmod(self.length - head, size)
+        return ([head] if head else []) + [size] * full + ([tail] if tail else [])
+
+    def chunk_offsets(self, size: int = CHUNK) -> list[tuple[int, int]]:
+        """(first row relative to the run start, rows) of each chunk of this run."""
+        out, off = [], 0
+        for n in self.chunk_lengths(size):
+            out.append((off, n))
+            off += n
+        return out
+
+    def num_chunks(self, size: int = CHUNK) -> int:
+        return len(self.chunk_lengths(size))
 
 
 @dataclass
@@ -49,8 +70,8 @@ class LocalPlan:
         """(local_start, length, run) of every chunk, runs in order, chunks in token order."""
         out = []
         for r, run in enumerate(self.runs):
-            for off in range(0, run.length, self.chunk_size):
-                out.append((run.local_start + off, min(self.chunk_size, run.length - off), r))
+            for off, n in run.chunk_offsets(self.chunk_size):
+                out.append((run.local_start + off, n, r))
         return out
 
     def device_tables(self, device) -> dict[str, torch.Tensor]:
@@ -64,7 +85,7 @@ class LocalPlan:
             chunks = self.chunk_bounds()
             ptr = [0]
             for run in self.runs:
-                ptr.append(ptr[-1] + -(-run.length // self.chunk_size))
+                ptr.append(ptr[-1] + run.num_chunks(self.chunk_size))
             host = {
                 "chunk_start": [c[0] for c in chunks],
                 "chunk_len": [c[1] for c in chunks],
@@ -111,7 +132,7 @@ def _runs_of(pieces: list[Piece], cu: list[int]) -> tuple[Run, ...]:
         while t < e:
             d = bisect.bisect_right(cu, t) - 1  # document holding token t (skips empty documents)
             end = min(e, cu[d + 1])
-            runs.append(Run(local + (t - s), end - t, d, t, t == cu[d], end == cu[d + 1]))
+            runs.append(Run(local + (t - s), end - t, d, t, t == cu[d], end == cu[d + 1], t - cu[d]))
             t = end
         local += e - s
     return tuple(runs)

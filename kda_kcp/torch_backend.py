@@ -32,12 +32,11 @@ class _ChunkSet:
         rows, counts = [], []
         for r in run_ids:
             run = plan.runs[r]
-            n = -(-run.length // C)
-            counts.append(n)
-            for j in range(n):
-                s = run.local_start + j * C
-                e = min(run.local_start + run.length, s + C)
-                rows.append(list(range(s, e)) + [plan.num_tokens] * (C - (e - s)))
+            bounds = run.chunk_offsets(C)
+            counts.append(len(bounds))
+            for off, n in bounds:
+                s = run.local_start + off
+                rows.append(list(range(s, s + n)) + [plan.num_tokens] * (C - n))
         self.index = torch.tensor(rows, dtype=torch.long, device=device).reshape(-1, C)
         self.steps = Steps.from_counts(counts, device)
         self.num_tokens = plan.num_tokens

@@ -104,3 +104,28 @@ def test_bad_layout_and_world_size():
         kda_kcp.partition_kcp([0, 4], 0, "zigzag")
     with pytest.raises(ValueError, match="world_size=2 does not match the group, which has 1"):
         kda_kcp.build_context_kcp([0, 4], None, "zigzag", world_size=2)
+
+
+@pytest.mark.parametrize("layout", kda_kcp.LAYOUTS)
+@pytest.mark.parametrize("W", [2, 3, 8])
+def test_chunks_follow_the_document_grid(layout, W):
+    """Every chunk lies on its document's 64-token grid, so a KCP run computes the same chunks as W = 1
+    except where a piece boundary cuts one (DESIGN.md section 1, kda_kcp/plan.py)."""
+    cu = offsets([1, 0, 299, 150, 1611, 64, 700])
+    single = {(s, s + n) for run in build_plan(cu, [[(0, cu[-1])]]).rank_runs[0] for s, n in
+              ((run.global_start + o, n) for o, n in run.chunk_offsets())}
+    parts = kda_kcp.partition_kcp(cu, W, layout)
+    cuts = {s for p in parts for s, _ in p} | {e for p in parts for _, e in p}
+    total = 0
+    for runs in build_plan(cu, parts).rank_runs:
+        for run in runs:
+            doc_start = cu[run.doc]
+            for o, n in run.chunk_offsets():
+                s, e = run.global_start + o, run.global_start + o + n
+                total += n
+                assert 0 < n <= 64
+                assert (s - doc_start) % 64 == 0 or s in cuts, (s, e)
+                assert (e - doc_start) % 64 == 0 or e == cu[run.doc + 1] or e in cuts, (s, e)
+                if s not in cuts and e not in cuts:
+                    assert (s, e) in single, (s, e)
+    assert total == cu[-1]

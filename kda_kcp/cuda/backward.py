@@ -101,7 +101,7 @@ class SegTables:
 
     def __init__(self, plan, heads: int, device):
         C = plan.chunk_size
-        run_chunks = [-(-r.length // C) for r in plan.runs]
+        run_chunks = [r.num_chunks(C) for r in plan.runs]
         sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 132
         L = choose_segment_chunks(run_chunks, heads, sms)
         fwalk, rwalk, fsum, rsum, fch, rch = [], [], [], [], [], []
@@ -164,11 +164,9 @@ def _summary_tables(plan, run_ids, device):
         chunks, runs = [], []
         for i, r in enumerate(run_ids):
             run = plan.runs[r]
-            n = -(-run.length // C)
-            runs.append((len(chunks), n, i, 0))
-            for j in range(n):
-                s = run.local_start + j * C
-                chunks.append((s, min(C, run.length - j * C)))
+            bounds = run.chunk_offsets(C)
+            runs.append((len(chunks), len(bounds), i, 0))
+            chunks += [(run.local_start + off, n) for off, n in bounds]
         ct = torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2).to(device)
         rt = torch.tensor(runs, dtype=torch.int32).reshape(-1, 4).to(device)
         cache[key] = (ct, rt)
@@ -178,7 +176,7 @@ def _summary_tables(plan, run_ids, device):
 def workspace_bytes(plan, num_heads: int, device=None) -> int:
     """Bytes bwd_grads allocates besides its outputs: prep records, h, dh, and the segment summaries
     and folded states of the segmented walks."""
-    nc = sum(-(-r.length // plan.chunk_size) for r in plan.runs)
+    nc = sum(r.num_chunks(plan.chunk_size) for r in plan.runs)
     n = nc * (PREP_BYTES + 2 * STATE_BYTES)
     if device is not None and plan.num_runs:
         st = _seg_tables(plan, num_heads, device)

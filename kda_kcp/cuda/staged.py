@@ -97,8 +97,8 @@ def choose_segment_chunks_v4(run_chunks: list[int], heads: int, sms: int, warps:
 @dataclass
 class StagedTables:
     chunks: torch.Tensor  # int32 [nchunk, 2]: tok_start, nrows (record index = chunk * H + head)
-    out: torch.Tensor  # int32 [nseg, 8]: tok_start, ntok, first chunk, idx, kind (0: state_in[idx], 1: sin[idx])
-    summary: torch.Tensor  # int32 [nsum, 8]: tok_start, ntok, first chunk, out slot, 0
+    out: torch.Tensor  # int32 [nseg, 8]: tok_start, ntok, first chunk, idx, kind (0: state_in[idx], 1: sin[idx]), chunks
+    summary: torch.Tensor  # int32 [nsum, 8]: tok_start, ntok, first chunk, out slot, 0, chunks
     chains: torch.Tensor  # int32 [nchain, 4] for the merge (first summary, count, init run or -1, out slot)
     num_chunks: int
     num_sin: int
@@ -107,14 +107,14 @@ class StagedTables:
 
 
 def _segments(run, first_chunk: int, L: int):
-    """(tok_start, ntok, first chunk) of the segments of one run."""
-    c = math.ceil(run.length / CHUNK)
-    parts = _split(c, max(1, math.ceil(c / L)))
+    """(tok_start, ntok, first chunk, chunks) of the segments of one run (whole chunks of its grid)."""
+    bounds = run.chunk_offsets(CHUNK)
+    parts = _split(len(bounds), max(1, math.ceil(len(bounds) / L)))
     out, start = [], 0
     for p in parts:
-        tok = start * CHUNK
-        ntok = min(run.length, (start + p) * CHUNK) - tok
-        out.append((run.local_start + tok, ntok, first_chunk + start))
+        off = bounds[start][0]
+        ntok = sum(n for _, n in bounds[start:start + p])
+        out.append((run.local_start + off, ntok, first_chunk + start, p))
         start += p
     return out
 
@@ -140,31 +140,30 @@ def staged_tables(plan, heads: int, device, run_ids=None, sms: int | None = None
     if key in cache:
         return cache[key]
     nsm = sms if sms is not None else _sm_count(device)
-    L = choose_segment_chunks_v4([math.ceil(runs[r].length / CHUNK) for r in ids], heads, nsm, warps)
+    L = choose_segment_chunks_v4([runs[r].num_chunks(CHUNK) for r in ids], heads, nsm, warps)
     chunks, out, summ, chains = [], [], [], []
     nsin = 0
     for i, r in enumerate(ids):
         run = runs[r]
         first = len(chunks)
-        for off in range(0, run.length, CHUNK):
-            chunks.append((run.local_start + off, min(CHUNK, run.length - off)))
+        chunks += [(run.local_start + off, n) for off, n in run.chunk_offsets(CHUNK)]
         segs = _segments(run, first, L) if run.length > 0 else []
         if summaries_only:
             chains.append((len(summ), len(segs), -1, i))
-            for t0, n, c0 in segs:
-                summ.append((t0, n, c0, len(summ), 0, 0, 0, 0))
+            for t0, n, c0, nc in segs:
+                summ.append((t0, n, c0, len(summ), 0, nc, 0, 0))
             continue
         if len(segs) > 1:
             chains.append((len(summ), len(segs) - 1, r, nsin))
-            for t0, n, c0 in segs[:-1]:
-                summ.append((t0, n, c0, len(summ), 0, 0, 0, 0))
+            for t0, n, c0, nc in segs[:-1]:
+                summ.append((t0, n, c0, len(summ), 0, nc, 0, 0))
         if not segs:  # an empty run: no CTA (its o has no rows)
             continue
-        for j, (t0, n, c0) in enumerate(segs):
+        for j, (t0, n, c0, nc) in enumerate(segs):
             if j == 0:
-                out.append((t0, n, c0, r, 0, 0, 0, 0))
+                out.append((t0, n, c0, r, 0, nc, 0, 0))
             else:
-                out.append((t0, n, c0, nsin, 1, 0, 0, 0))
+                out.append((t0, n, c0, nsin, 1, nc, 0, 0))
                 nsin += 1
     # longest segments first: the CTAs that bound a pass start first
     out.sort(key=lambda row: -row[1])
@@ -194,7 +193,7 @@ def _modules(device):
 def workspace_bytes(plan, heads: int, run_ids=None) -> int:
     """Bytes of the (chunk, head) records that one call needs (the largest buffer of the v4 forward)."""
     runs = plan.runs if run_ids is None else [plan.runs[int(r)] for r in run_ids]
-    return sum(math.ceil(r.length / CHUNK) for r in runs) * heads * RECORD_BYTES
+    return sum(r.num_chunks(CHUNK) for r in runs) * heads * RECORD_BYTES
 
 
 def fwd_output(q, k, v, g, beta, scale, plan, state_in=None):
@@ -221,10 +220,10 @@ def fwd_output(q, k, v, g, beta, scale, plan, state_in=None):
     if tabs.num_summary > 0:
         m = torch.empty(tabs.num_summary, H, _D, _D, dtype=torch.float32, device=dev)
         e = torch.empty_like(m)
-        mod.staged_walk_summary(v, ws, tabs.summary, tabs.num_chunks, m, e, warps)
+        mod.staged_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
         seg_states = torch.empty(tabs.num_sin, H, _D, _D, dtype=torch.float32, device=dev)
         v3.merge_fold(m, e, tabs.chains, sin_t, seg_states)
-    mod.staged_walk_output(v, ws, tabs.out, tabs.num_chunks, sin_t, seg_states, o, warps)
+    mod.staged_walk_output(v, ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
     return o
 
 
@@ -247,7 +246,7 @@ def fwd_summaries(q, k, v, g, beta, scale, plan, run_ids):
         mod.staged_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
         m = torch.empty(tabs.num_summary, H, _D, _D, dtype=torch.float32, device=dev)
         e = torch.empty_like(m)
-        mod.staged_walk_summary(v, ws, tabs.summary, tabs.num_chunks, m, e, warps)
+        mod.staged_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
     else:
         m = torch.empty(0, H, _D, _D, dtype=torch.float32, device=dev)
         e = torch.empty_like(m)

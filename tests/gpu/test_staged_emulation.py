@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from kda_kcp.cuda.staged import CHUNK, choose_segment_chunks_v4, model_time, staged_tables
+from kda_kcp.partition import partition_kcp
+from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.torch_backend import TorchBackend
 
 from gpu_common import local_plan, rel
@@ -62,20 +64,21 @@ def records(q, k, v, g, beta, scale, chunks):
     Qg = scale * qc * G.exp()
     Kg = kc * (G[:, :, -1:, :] - G).exp()
     gam = G[:, :, -1, :].exp()
-    return dict(W=W, Qg=Qg, Kg=Kg, Aqk=Aqk, Ab=Ab, gam=gam, V=vc)
+    return dict(W=W, Qg=Qg, Kg=Kg, Aqk=Aqk, Ab=Ab, gam=gam, V=vc, chunks=chunks)
 
 
 def walk_tile(rec, seg, h, cols, S, with_u, out=None, H=None):
-    """One CTA: the chunks of a segment for state columns `cols` (S [K, len(cols)]), FP32."""
-    t0, ntok, c0 = seg[0], seg[1], seg[2]
-    for ch in range(math.ceil(ntok / CHUNK)):
+    """One CTA: the chunks of a segment for state columns `cols` (S [K, len(cols)]), FP32.
+
+    Row (tok_start, ntok, first chunk, idx, kind, chunks); each chunk's tokens come from the chunk table."""
+    c0, nchunks = seg[2], seg[5]
+    for ch in range(nchunks):
         c = c0 + ch
         U = rec["Ab"][c, h] @ rec["V"][c, h][:, cols] if with_u else torch.zeros(CHUNK, len(cols))
         Vn = U - rec["W"][c, h] @ S
         if out is not None:
             O = rec["Qg"][c, h] @ S + rec["Aqk"][c, h] @ Vn
-            n = min(CHUNK, ntok - ch * CHUNK)
-            tok = t0 + ch * CHUNK
+            tok, n = rec["chunks"][c].tolist()
             out[tok:tok + n, h][:, cols] = O[:n]
         S = rec["gam"][c, h][:, None] * S + rec["Kg"][c, h].T @ Vn
     return S
@@ -158,6 +161,28 @@ def test_emulated_output_matches_torch_backend(monkeypatch, seg_chunks, sms):
         assert err < 2e-5
 
 
+@pytest.mark.parametrize("seg_chunks", ["", "2"])
+def test_emulated_output_on_a_kcp_piece(monkeypatch, seg_chunks):
+    """Runs that start inside their document (rank 1 of 2 and 3) open with a partial chunk."""
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", seg_chunks)
+    gen = torch.Generator().manual_seed(8)
+    cu = [0, 130, 700, 1337]
+    H = 2
+    for W, layout in ((2, "contiguous"), (3, "zigzag_per_document")):
+        parts = partition_kcp(cu, W, layout)
+        kp = build_plan(cu, parts)
+        plan = LocalPlan(sum(e - s for s, e in parts[1]), kp.rank_runs[1])
+        assert any(len(r.chunk_lengths()) and r.chunk_lengths()[0] < CHUNK and not r.starts_doc for r in plan.runs)
+        q, k, v, g, beta = make_inputs(plan.num_tokens, H, gen)
+        state_in = 0.1 * torch.randn(plan.num_runs, H, D, D, generator=gen)
+        o, tabs = emulate_fwd_output(q, k, v, g, beta, 128**-0.5, plan, state_in, sms=4)
+        ref = TorchBackend().fwd_output(q, k, v, g, beta, 128**-0.5, plan, state_in)
+        assert torch.isfinite(o).all(), "a row of o was not written by any tile"
+        err = rel(o, ref)
+        print(f"W={W} {layout} rank 1, seg_chunks={seg_chunks or 'model'}: {tabs.out.shape[0]} output segments, rel {err:.2e}")
+        assert err < 2e-5
+
+
 def test_emulated_summaries_match_torch_backend(monkeypatch):
     monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "2")
     gen = torch.Generator().manual_seed(6)
@@ -191,9 +216,10 @@ def test_segment_choice_is_pure_and_covers_runs():
         assert t0 == tok
         tok += n
     assert tok == cu[-1]
-    # every output segment's first chunk record holds its first token
+    # every output segment's first chunk record holds its first token; its chunks hold its tokens
     for r in tabs.out.tolist():
         assert tabs.chunks[r[2], 0].item() == r[0]
+        assert tabs.chunks[r[2]:r[2] + r[5], 1].sum().item() == r[1]
 
 
 # ---- the record's byte layout (kda_fwd_staged.h), for checking the prep kernel and feeding the walk ----
@@ -288,7 +314,7 @@ def test_record_layout_roundtrip():
         print(f"record {name}: encode/decode rel {err:.1e}")
         assert err < (5e-3 if name in ("W", "Qg", "Kg") else 1e-5)
     # the emulated walk on decoded records still matches the torch backend
-    rec2 = dict(dec, V=rec["V"])
+    rec2 = dict(dec, V=rec["V"], chunks=tabs.chunks)
     o = torch.full((cu[-1], 2, D), float("nan"))
     for seg in tabs.out.tolist():
         for h in range(2):
