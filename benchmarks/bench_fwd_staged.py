@@ -242,13 +242,13 @@ def main():
 
                 def summ():
                     if tabs.num_summary:
-                        mod.staged_walk_summary(v, ws, tabs.summary, tabs.num_chunks, m[:tabs.num_summary],
+                        mod.staged_walk_summary(v, ws, tabs.chunks, tabs.summary, m[:tabs.num_summary],
                                                 e[:tabs.num_summary], w)
                         v3m.merge_fold(m[:tabs.num_summary], e[:tabs.num_summary], tabs.chains, none,
                                        sin[:tabs.num_sin])
 
                 def walk():
-                    mod.staged_walk_output(v, ws, tabs.out, tabs.num_chunks, none,
+                    mod.staged_walk_output(v, ws, tabs.chunks, tabs.out, none,
                                            sin[:tabs.num_sin] if tabs.num_sin else none, o, w)
 
                 for nm, fn in (("prep", prep), ("summaries+fold", summ), ("output walk", walk)):
