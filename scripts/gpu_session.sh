@@ -4,7 +4,8 @@
 # short summary comes last.
 #
 #   warm       start FLA's Triton compiles in the background (scripts/warm_fla_cache.py, one process per
-#              head count in $HEADS, on the last GPU); bench stages wait for them
+#              head count in $HEADS, on the last GPU; WARM_CP=1 adds FLA's CP path, two ranks per head
+#              count); bench stages wait for them
 #   tests      the one-GPU tests: tests/gpu/test_fwd_staged.py and tests/gpu/test_bwd_cuda.py
 #   nccl       tests/gpu/test_kcp_nccl.py (W = 2 over NCCL; needs 2 GPUs)
 #   bench1     benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS (ops $OPS, arms det nd control fla)
@@ -50,6 +51,10 @@ for st in "$@"; do
       for h in $HEADS; do
         python3 scripts/warm_fla_cache.py --heads "$h" --device $(( ngpu - 1 )) >> "$OUT/warm.log" 2>&1 &
         warm_pids+=($!)
+        if [ "${WARM_CP:-0}" = 1 ] && [ "$ngpu" -ge 2 ]; then  # FLA's CP kernels too (two ranks per head count)
+          python3 scripts/warm_fla_cache.py --cp --heads "$h" --port $(( 29700 + h )) >> "$OUT/warm.log" 2>&1 &
+          warm_pids+=($!)
+        fi
       done;;
     tests)
       timeout $(( $(left) - 30 )) python3 -m pytest -q -s -p no:cacheprovider --durations=8 \
