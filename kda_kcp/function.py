@@ -4,6 +4,12 @@ Forward (DESIGN.md section 2): summaries of the runs whose document continues la
 -> affine merge into each run's incoming state -> fwd_output. Backward mirrors it with (M^T, F) of the
 runs whose document started earlier, folded from the document end into each run's outgoing state
 gradient, then the local gradients.
+
+The workspace of one call is [exchange scratch | arena]. The CUDA backend carves all of its scratch from
+the arena (kda_kcp.arena), phase after phase from the arena's base, so a call with a workspace allocates
+only its outputs (and, in the forward, the incoming states it saves for the backward). The torch backend
+uses the exchange part only. ``local_arena_bytes`` mirrors the carves below, which makes
+``kda_workspace_bytes_kcp`` exact.
 """
 
 from __future__ import annotations
@@ -12,14 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
+from .arena import Arena, aligned, tensor_bytes
 from .backend import select_backend
-from .exchange import gather_summaries, summary_elements
+from .exchange import gather_summaries
 from .torch_backend import compute_dtype
 from .validate import check_grad_output, check_inputs, check_scale, check_values, values_requested
 from .walk import affine_merge
-from .workspace import WorkspaceKcp
+from .workspace import WorkspaceKcp, exchange_elements, workspace_bytes
 
-__all__ = ["KdaSaved", "forward_kcp", "backward_kcp", "KdaKcpFunction"]
+__all__ = ["KdaSaved", "forward_kcp", "backward_kcp", "KdaKcpFunction", "local_arena_bytes"]
 
 
 @dataclass
@@ -43,12 +50,22 @@ def _summary_dtype(backend, *xs) -> torch.dtype:
     return torch.float32 if backend.name == "cuda" else compute_dtype(*xs)
 
 
-def _exchange_buffer(workspace, ctx, H, K, V, dtype, device):
-    if workspace is None:
-        return None
-    slots = max(ctx.plan.fwd_slots, ctx.plan.bwd_slots)
-    numel = (1 + ctx.world_size) * slots * summary_elements(H, K, V)
-    return workspace.take(numel, dtype, device, "the KCP exchange")
+def local_arena_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None) -> int:
+    """Arena bytes of the larger of a forward and a backward call of this context on ``backend``."""
+    if backend.name != "cuda":
+        return 0
+    H, K, V = num_heads, head_dim, value_dim or head_dim
+    plan, local = ctx.plan, ctx.local
+    fwd = backend.arena_bytes("fwd_output", local, H, device)
+    bwd = backend.arena_bytes("bwd_grads", local, H, device)
+    if plan.needs_exchange:
+        tmp = tensor_bytes((H, K, V), torch.float32)
+        state = tensor_bytes((local.num_runs, H, K, V), torch.float32)
+        fsum = backend.arena_bytes("fwd_summaries", local, H, device, plan.fwd_publish[ctx.rank])
+        bsum = backend.arena_bytes("bwd_summaries", local, H, device, plan.bwd_publish[ctx.rank])
+        fwd = max(fsum, tmp, fwd)  # summaries, then the merge's product buffer, then the output
+        bwd = state + max(bsum, tmp, bwd)  # dstate_out lives under all three
+    return max(fwd, bwd)
 
 
 def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
@@ -62,31 +79,67 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
     return backend, scale
 
 
-def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, workspace):
+def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
+    """(exchange buffer or None, Arena or None) of one call; the workspace's size and device are checked
+    here, before any kernel runs."""
+    if workspace is None:
+        return None, (Arena(None, device) if backend.name == "cuda" else None)
+    need = workspace_bytes(ctx, H, backend, device, K, V, dt)
+    if workspace.nbytes < need:
+        raise ValueError(
+            f"workspace too small: this call needs {need} bytes, the workspace has {workspace.nbytes}; size "
+            "it with kda_workspace_bytes_kcp(ctx, num_heads, ...) for this context"
+        )
+    if workspace.buffer.device != torch.device(device):
+        raise ValueError(f"workspace is on {workspace.buffer.device} but the inputs are on {device}")
+    numel = exchange_elements(ctx, H, K, V)
+    xbuf = workspace.take(numel, dt, device, "the KCP exchange") if numel else None
+    arena = None
+    if backend.name == "cuda":
+        start = aligned(numel * torch.empty((), dtype=dt).element_size())
+        arena = Arena(workspace.buffer[start:need], device)
+    return xbuf, arena
+
+
+def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf, arena, out):
     """This rank's summaries of the runs it publishes -> one all-gather -> the fixed-order fold into
-    every local run: incoming states (forward) or outgoing state gradients (backward), [R, H, K, V]."""
+    every local run: incoming states (forward) or outgoing state gradients (backward), written to ``out``
+    [R, H, K, V]. With an arena nothing here allocates."""
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     ids = publish[ctx.rank]
+    base = arena.mark() if arena is not None else 0
     if ids:
         maps, offsets = summarize(ids)
+    elif arena is not None:
+        maps, offsets = arena.empty((0, H, K, K), dt), arena.empty((0, H, K, V), dt)
     else:
         maps, offsets = q.new_zeros(0, H, K, K, dtype=dt), q.new_zeros(0, H, K, V, dtype=dt)
-    buf = _exchange_buffer(workspace, ctx, H, K, V, dt, q.device)
-    maps, offsets = gather_summaries(maps.to(dt), offsets.to(dt), slots, ctx.world_size, ctx.group, buf)
-    return affine_merge(maps, offsets, sources[ctx.rank], q.new_empty(ctx.local.num_runs, H, K, V, dtype=dt))
+    maps, offsets = gather_summaries(maps.to(dt), offsets.to(dt), slots, ctx.world_size, ctx.group, xbuf)
+    tmp = None
+    if arena is not None:
+        arena.release(base)  # this rank's summaries are in the exchange buffer now
+        tmp = arena.empty((H, K, V), dt)
+    affine_merge(maps, offsets, sources[ctx.rank], out, tmp)
+    if arena is not None:
+        arena.release(base)
+    return out
 
 
 def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
     """Returns (o, KdaSaved). Inputs are read, never written."""
     backend, scale = _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
     plan, local = ctx.plan, ctx.local
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    dt = _summary_dtype(backend, q, k, v, g, beta)
+    xbuf, arena = _split_workspace(workspace, ctx, backend, H, K, V, dt, q.device)
     state_in = None
     if plan.needs_exchange:
-        state_in = _exchange_and_merge(
-            ctx, lambda ids: backend.fwd_summaries(q, k, v, g, beta, scale, local, ids),
-            plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q, v, _summary_dtype(backend, q, k, v, g, beta), workspace,
+        state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
+        _exchange_and_merge(
+            ctx, lambda ids: backend.fwd_summaries(q, k, v, g, beta, scale, local, ids, arena=arena),
+            plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q, v, dt, xbuf, arena, state_in,
         )
-    o = backend.fwd_output(q, k, v, g, beta, scale, local, state_in)
+    o = backend.fwd_output(q, k, v, g, beta, scale, local, state_in, arena=arena)
     return o, KdaSaved(q, k, v, g, beta, state_in, scale, deterministic)
 
 
@@ -101,13 +154,21 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
         do = do.to(torch.bfloat16)  # the kernels read the output's dtype
     do = do.contiguous()
     plan, local = ctx.plan, ctx.local
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    dt = _summary_dtype(backend, q, k, v, g, beta)
+    xbuf, arena = _split_workspace(workspace, ctx, backend, H, K, V, dt, q.device)
     dstate_out = None
     if plan.needs_exchange:
-        dstate_out = _exchange_and_merge(
-            ctx, lambda ids: backend.bwd_summaries(q, k, v, g, beta, do, saved.scale, local, ids),
-            plan.bwd_publish, plan.bwd_slots, plan.bwd_sources, q, v, _summary_dtype(backend, q, k, v, g, beta), workspace,
+        # scratch that lives until the local gradients are done: the arena's first carve of this call
+        if arena is not None:
+            dstate_out = arena.empty((local.num_runs, H, K, V), dt)
+        else:
+            dstate_out = q.new_empty(local.num_runs, H, K, V, dtype=dt)
+        _exchange_and_merge(
+            ctx, lambda ids: backend.bwd_summaries(q, k, v, g, beta, do, saved.scale, local, ids, arena=arena),
+            plan.bwd_publish, plan.bwd_slots, plan.bwd_sources, q, v, dt, xbuf, arena, dstate_out,
         )
-    grads = backend.bwd_grads(q, k, v, g, beta, do, saved.scale, local, saved.state_in, dstate_out)
+    grads = backend.bwd_grads(q, k, v, g, beta, do, saved.scale, local, saved.state_in, dstate_out, arena=arena)
     return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
 
 

@@ -66,7 +66,13 @@ def _chunk_set(plan: LocalPlan, run_ids, device) -> _ChunkSet:
 
 
 class TorchBackend:
+    """The reference stages in torch (any device, FP32 or FP64). Its scratch is torch's own: the ``arena``
+    arguments are accepted for the common interface and not used (``arena_bytes`` is 0)."""
+
     name = "torch"
+
+    def arena_bytes(self, op: str, plan, num_heads: int, device, run_ids=()) -> int:
+        return 0
 
     def _inputs(self, cs: _ChunkSet, q, k, v, g, beta):
         dt = compute_dtype(q, k, v, g, beta)
@@ -74,14 +80,14 @@ class TorchBackend:
         bc = cs.gather(beta.unsqueeze(-1), dt).squeeze(-1)
         return dt, qc, kc, vc, gc, bc
 
-    def fwd_summaries(self, q, k, v, g, beta, scale, plan: LocalPlan, run_ids):
+    def fwd_summaries(self, q, k, v, g, beta, scale, plan: LocalPlan, run_ids, arena=None):
         cs = _chunk_set(plan, run_ids, q.device)
         _, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
         prep = chunk_prep(qc, kc, vc, gc, bc, scale)
         _, E, M = state_walk(prep, cs.steps, None, summary=True)
         return M, E
 
-    def fwd_output(self, q, k, v, g, beta, scale, plan: LocalPlan, state_in=None):
+    def fwd_output(self, q, k, v, g, beta, scale, plan: LocalPlan, state_in=None, arena=None):
         cs = _chunk_set(plan, range(plan.num_runs), q.device)
         _, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
         prep = chunk_prep(qc, kc, vc, gc, bc, scale)
@@ -89,14 +95,14 @@ class TorchBackend:
         o = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         return cs.scatter(fwd_o(prep, h, scale), o)
 
-    def bwd_summaries(self, q, k, v, g, beta, do, scale, plan: LocalPlan, run_ids):
+    def bwd_summaries(self, q, k, v, g, beta, do, scale, plan: LocalPlan, run_ids, arena=None):
         cs = _chunk_set(plan, run_ids, q.device)
         dt, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
         prep = chunk_prep(qc, kc, vc, gc, bc, scale)
         _, F, Mt = reverse_walk(prep, cs.gather(do, dt), cs.steps, scale, None, summary=True)
         return Mt, F
 
-    def bwd_grads(self, q, k, v, g, beta, do, scale, plan: LocalPlan, state_in=None, dstate_out=None):
+    def bwd_grads(self, q, k, v, g, beta, do, scale, plan: LocalPlan, state_in=None, dstate_out=None, arena=None):
         cs = _chunk_set(plan, range(plan.num_runs), q.device)
         dt, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
         doc = cs.gather(do, dt)

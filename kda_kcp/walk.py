@@ -102,20 +102,26 @@ def reverse_walk(
     return dh, dS, Mt
 
 
-def affine_merge(maps: torch.Tensor, offsets: torch.Tensor, sources, out: torch.Tensor) -> torch.Tensor:
+def affine_merge(maps: torch.Tensor, offsets: torch.Tensor, sources, out: torch.Tensor,
+                 tmp: torch.Tensor | None = None) -> torch.Tensor:
     """Fold published summaries into incoming states, in a fixed order.
 
     maps [W, slots, H, K, K] and offsets [W, slots, H, K, V] are the gathered summaries;
     ``sources[r]`` lists (rank, slot) to fold for local run r, oldest first:
     acc = 0; for each source: acc = maps @ acc + offsets. Writes out[r] (runs with no source keep zeros).
     The backward uses the same fold with (M^T, F) and sources listed from the document end.
+    ``tmp`` ([H, K, V], optional) holds each product, so the fold allocates nothing.
     """
     out.zero_()
     for r, src in enumerate(sources):
         if not src:
             continue
-        acc = None
-        for w, s in src:
-            acc = offsets[w, s].clone() if acc is None else maps[w, s] @ acc + offsets[w, s]
-        out[r] = acc
+        acc = out[r]
+        (w0, s0), rest = src[0], src[1:]
+        acc.copy_(offsets[w0, s0])
+        if rest and tmp is None:
+            tmp = torch.empty_like(acc)
+        for w, s in rest:
+            torch.matmul(maps[w, s], acc, out=tmp)
+            torch.add(tmp, offsets[w, s], out=acc)
     return out

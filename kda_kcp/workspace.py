@@ -2,8 +2,9 @@
 
 What a call needs beyond its inputs and outputs:
 - workspace: the exchange scratch (send rows, then every rank's rows; the larger of the forward and the
-  backward exchange) plus, on the CUDA backend, the backend's own arena. Dead after the call, so one
-  ``WorkspaceKcp`` serves several calls in turn.
+  backward exchange) plus, on the CUDA backend, the arena its kernels' scratch is carved from (records,
+  per-chunk states, segment summaries; kda_kcp/function.py lays it out). Dead after the call, so one
+  ``WorkspaceKcp`` serves several calls in turn, of any context whose need fits.
 - saved: the incoming state of every local run ([R, H, K, V] FP32), kept from the forward for the
   backward when the batch is split across pieces (nothing at W = 1). The inputs themselves are saved
   by reference and not counted.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .arena import aligned
 from .exchange import summary_elements
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "check_arena",
     "exchange_elements",
     "kda_workspace_bytes_kcp",
+    "workspace_bytes",
     "kda_saved_bytes_kcp",
     "kda_comm_bytes_kcp",
     "WorkspaceKcp",
@@ -63,13 +66,34 @@ def exchange_elements(ctx, num_heads: int, head_dim: int, value_dim: int | None 
     return (1 + ctx.world_size) * slots * summary_elements(num_heads, head_dim, value_dim or head_dim)
 
 
+def workspace_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None,
+                    dtype=torch.float32) -> int:
+    """Bytes of one call's workspace on ``backend``: the exchange scratch, then (CUDA) the arena."""
+    ex = exchange_elements(ctx, num_heads, head_dim, value_dim) * _elt(dtype)
+    from .function import local_arena_bytes  # the carves live beside the code that makes them
+
+    arena = local_arena_bytes(ctx, num_heads, backend, device, head_dim, value_dim)
+    return aligned(ex) + arena if arena else ex
+
+
+def _device_of(ctx, device) -> torch.device:
+    return torch.device(device) if device is not None else ctx.token_index.device
+
+
 def kda_workspace_bytes_kcp(
     ctx, num_heads, deterministic=True, local_arena="replay", lean_passes=None, *, head_dim=128, value_dim=None,
-    dtype=torch.float32,
+    dtype=torch.float32, device=None,
 ) -> int:
-    """Bytes of workspace one call (forward or backward) of this context needs."""
+    """Bytes of workspace one call (forward or backward) of this context needs, on ``device`` (default:
+    the device of the cu_seqlens the context was built from): the exchange scratch, and on the CUDA
+    backend every scratch buffer of its kernels, so that a call with the workspace allocates only its
+    outputs. ``local_arena="lean"`` is accepted and checked but not implemented yet: it sizes the
+    replay arena."""
     check_arena(local_arena, lean_passes)
-    return exchange_elements(ctx, _heads(num_heads), head_dim, value_dim) * _elt(dtype)
+    from .backend import select_backend
+
+    dev = _device_of(ctx, device)
+    return workspace_bytes(ctx, _heads(num_heads), select_backend(dev, deterministic), dev, head_dim, value_dim, dtype)
 
 
 def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
@@ -98,11 +122,12 @@ class WorkspaceKcp:
         self, ctx, num_heads, device=None, deterministic=True, local_arena="replay", lean_passes=None,
         *, head_dim=128, value_dim=None, dtype=torch.float32,
     ):
+        self.device = _device_of(ctx, device)
         self.nbytes = kda_workspace_bytes_kcp(
-            ctx, num_heads, deterministic, local_arena, lean_passes, head_dim=head_dim, value_dim=value_dim, dtype=dtype
+            ctx, num_heads, deterministic, local_arena, lean_passes, head_dim=head_dim, value_dim=value_dim,
+            dtype=dtype, device=self.device,
         )
         self.deterministic = deterministic
-        self.device = torch.device(device) if device is not None else ctx.token_index.device
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
 
     @classmethod

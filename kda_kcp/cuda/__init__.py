@@ -60,10 +60,27 @@ class CudaBackend:
         load(device)
         self._loaded.add(key)
 
+    # ---------------- scratch (kda_kcp.arena; the fused v3 forward allocates its own) ----------------
+    def arena_bytes(self, op: str, plan, num_heads: int, device, run_ids=()) -> int:
+        """Arena bytes one call of ``op`` (fwd_output, fwd_summaries, bwd_grads, bwd_summaries) carves."""
+        from . import backward
+
+        if op in ("fwd_output", "fwd_summaries") and _forward_kind(self.forward) != "staged":
+            return 0
+        if op == "fwd_output":
+            return staged.fwd_output_arena_bytes(plan, num_heads, device)
+        if op == "fwd_summaries":
+            return staged.fwd_summaries_arena_bytes(plan, num_heads, run_ids, device)
+        if op == "bwd_grads":
+            return backward.bwd_grads_arena_bytes(plan, num_heads, device)
+        if op == "bwd_summaries":
+            return backward.bwd_summaries_arena_bytes(plan, num_heads, run_ids)
+        raise ValueError(f"unknown op {op!r}")
+
     # ---------------- forward ----------------
-    def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None):
+    def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None, arena=None):
         if _forward_kind(self.forward) == "staged":
-            return staged.fwd_output(q, k, v, g, beta, scale, plan, state_in)
+            return staged.fwd_output(q, k, v, g, beta, scale, plan, state_in, arena)
         check_tensors("CUDA backend", q, k, v, g, beta)
         q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
         dev = q.device
@@ -86,9 +103,9 @@ class CudaBackend:
         mod.fwd_output(q, k, v, g, beta, tabs.fwd, sin_t, seg_states, o, float(scale))
         return o
 
-    def fwd_summaries(self, q, k, v, g, beta, scale, plan, run_ids):
+    def fwd_summaries(self, q, k, v, g, beta, scale, plan, run_ids, arena=None):
         if _forward_kind(self.forward) == "staged":
-            return staged.fwd_summaries(q, k, v, g, beta, scale, plan, run_ids)
+            return staged.fwd_summaries(q, k, v, g, beta, scale, plan, run_ids, arena)
         check_tensors("CUDA backend", q, k, v, g, beta)
         q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
         dev = q.device
@@ -107,12 +124,12 @@ class CudaBackend:
         return M, E
 
     # ---------------- backward (csrc/kda_bwd.cu through .backward) ----------------
-    def bwd_summaries(self, q, k, v, g, beta, do, scale, plan, run_ids):
+    def bwd_summaries(self, q, k, v, g, beta, do, scale, plan, run_ids, arena=None):
         from .backward import bwd_summaries
 
-        return bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids)
+        return bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids, arena)
 
-    def bwd_grads(self, q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None):
+    def bwd_grads(self, q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, arena=None):
         from .backward import bwd_grads
 
-        return bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out, self.deterministic)
+        return bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out, self.deterministic, arena=arena)

@@ -21,9 +21,11 @@ import os
 
 import torch
 
+from ..arena import Arena, tensor_bytes
 from .common import _D, _c, check_tensors
 
-__all__ = ["bwd_grads", "bwd_summaries", "workspace_bytes", "saved_bytes", "PREP_BYTES", "load"]
+__all__ = ["bwd_grads", "bwd_summaries", "bwd_grads_arena_bytes", "bwd_summaries_arena_bytes", "saved_bytes",
+           "PREP_BYTES", "load"]
 
 PREP_BYTES = 131584  # one prep record per (chunk, head); kda_bwd.h kPrepBytes
 STATE_BYTES = _D * _D * 4
@@ -173,15 +175,34 @@ def _summary_tables(plan, run_ids, device):
     return cache[key]
 
 
-def workspace_bytes(plan, num_heads: int, device=None) -> int:
-    """Bytes bwd_grads allocates besides its outputs: prep records, h, dh, and the segment summaries
-    and folded states of the segmented walks."""
+def _states(n: int, H: int) -> int:
+    return tensor_bytes((n, H, _D, _D), torch.float32)
+
+
+def bwd_grads_arena_bytes(plan, num_heads: int, device) -> int:
+    """Arena bytes ``bwd_grads`` carves (exact: the same carves, in order): prep records, h, dh, and the
+    segment summaries and folded states of the segmented walks."""
+    if plan.num_tokens == 0 or plan.num_runs == 0:
+        return 0
+    H = num_heads
     nc = sum(r.num_chunks(plan.chunk_size) for r in plan.runs)
-    n = nc * (PREP_BYTES + 2 * STATE_BYTES)
-    if device is not None and plan.num_runs:
-        st = _seg_tables(plan, num_heads, device)
-        n += (2 * st.num_sum_f + 2 * st.num_sum_r + st.num_fold_f + st.num_fold_r) * STATE_BYTES
-    return n * num_heads
+    st = _seg_tables(plan, H, device)
+    n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + 2 * _states(nc, H)
+    if st.num_sum_f:  # summaries M, E and their fold
+        n += 2 * _states(st.num_sum_f, H) + _states(st.num_fold_f, H)
+    if st.num_sum_r:
+        n += 2 * _states(st.num_sum_r, H) + _states(st.num_fold_r, H)
+    return n
+
+
+def bwd_summaries_arena_bytes(plan, num_heads: int, run_ids) -> int:
+    """Arena bytes ``bwd_summaries`` carves, its results (Mt, F) included."""
+    run_ids = tuple(int(r) for r in run_ids)
+    n = 2 * _states(len(run_ids), num_heads)
+    if run_ids:
+        nc = sum(plan.runs[r].num_chunks(plan.chunk_size) for r in run_ids)
+        n += tensor_bytes((nc * num_heads * PREP_BYTES,), torch.uint8)
+    return n
 
 
 def saved_bytes(num_chunks: int, num_heads: int) -> int:
@@ -192,22 +213,26 @@ def saved_bytes(num_chunks: int, num_heads: int) -> int:
 # ---------------------------------------------------------------------------------------------------
 # entry points
 # ---------------------------------------------------------------------------------------------------
-def _state(x, n, H, dev, name):
+def _state(x, n, H, none, name):
+    """A state argument of a binding: ``none`` (a 0-element tensor) when absent."""
     if x is None:
-        return torch.empty(0, dtype=torch.float32, device=dev)
-    x = x.to(device=dev, dtype=torch.float32).contiguous()
+        return none
+    x = x.to(device=none.device, dtype=torch.float32).contiguous()  # a no-op for function.py's states
     if tuple(x.shape) != (n, H, _D, _D):
         raise ValueError(f"{name} must be [{n}, {H}, {_D}, {_D}], got {tuple(x.shape)}")
     return x
 
 
-def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, deterministic=True, timing=None):
-    """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan``.
+def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, deterministic=True, timing=None,
+              arena=None):
+    """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan``. Scratch comes from ``arena``
+    (``kda_kcp.arena.Arena``; None: allocated).
 
     ``timing``: a dict to receive the milliseconds of each stage (CUDA events; synchronizes; benchmarks only)."""
     check_tensors("CUDA backward", q, k, v, g, beta, do)
     q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
     dev = q.device
+    arena = arena if arena is not None else Arena(None, dev)
     T, H, _ = q.shape
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -220,11 +245,12 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
     chunks, _ = _tables(plan, dev)
     nc = chunks.shape[0]
     R = plan.num_runs
-    sin = _state(state_in, R, H, dev, "state_in")
-    dso = _state(dstate_out, R, H, dev, "dstate_out")
-    prep = torch.empty(nc * H * PREP_BYTES, dtype=torch.uint8, device=dev)
-    h = torch.empty(nc, H, _D, _D, dtype=torch.float32, device=dev)
-    dh = torch.empty_like(h)
+    e0 = arena.empty((0,), torch.float32)  # an absent optional argument of a binding (0 bytes)
+    sin = _state(state_in, R, H, e0, "state_in")
+    dso = _state(dstate_out, R, H, e0, "dstate_out")
+    prep = arena.empty((nc * H * PREP_BYTES,), torch.uint8)
+    h = arena.empty((nc, H, _D, _D), torch.float32)
+    dh = arena.empty((nc, H, _D, _D), torch.float32)
     events = []
 
     def mark(name):
@@ -237,23 +263,22 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
     mod.bwd_prep(q, k, v, g, beta, chunks, prep, float(scale))
     mark("prep")
     st = _seg_tables(plan, H, dev)
-    e0 = torch.empty(0, dtype=torch.float32, device=dev)
     ffold, rfold = e0, e0
     if st.num_sum_f:
-        m = torch.empty(st.num_sum_f, H, _D, _D, dtype=torch.float32, device=dev)
-        e = torch.empty_like(m)
+        m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
+        e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
         mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
-        ffold = torch.empty(st.num_fold_f, H, _D, _D, dtype=torch.float32, device=dev)
+        ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
         mod.bwd_fold(m, e, st.fchains, sin, ffold, False)
         del m, e
     mark("fwd_summaries")
     mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
     mark("fwd_walk")
     if st.num_sum_r:
-        mt = torch.empty(st.num_sum_r, H, _D, _D, dtype=torch.float32, device=dev)
-        f = torch.empty_like(mt)
+        mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
+        f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
         mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
-        rfold = torch.empty(st.num_fold_r, H, _D, _D, dtype=torch.float32, device=dev)
+        rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
         mod.bwd_fold(mt, f, st.rchains, dso, rfold, True)
         del mt, f
     mark("rev_summaries")
@@ -270,20 +295,22 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
     return dq, dk, dv, dg, dbeta
 
 
-def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids):
-    """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F."""
+def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids, arena=None):
+    """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F.
+    Mt, F and the scratch come from ``arena`` (None: allocated); Mt and F live until the caller releases."""
     check_tensors("CUDA backward", q, k, v, g, beta, do)
     q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
     dev = q.device
+    arena = arena if arena is not None else Arena(None, dev)
     H = q.shape[1]
     run_ids = tuple(int(r) for r in run_ids)
-    Mt = torch.empty(len(run_ids), H, _D, _D, dtype=torch.float32, device=dev)
-    F = torch.empty_like(Mt)
+    Mt = arena.empty((len(run_ids), H, _D, _D), torch.float32)
+    F = arena.empty((len(run_ids), H, _D, _D), torch.float32)
     if not run_ids:
         return Mt, F
     mod = load(dev)
     chunks, runs = _summary_tables(plan, run_ids, dev)
-    prep = torch.empty(chunks.shape[0] * H * PREP_BYTES, dtype=torch.uint8, device=dev)
+    prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
     mod.bwd_prep(q, k, v, g, beta, chunks, prep, float(scale))
     mod.bwd_rev_summary(do, prep, chunks, runs, Mt, F)
     return Mt, F

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import _D, _c, _none, check_tensors
+from ..arena import Arena, tensor_bytes
+from .common import _D, _c, check_tensors
 
-__all__ = ["load_staged", "fwd_output", "fwd_summaries", "choose_segment_chunks_v4", "staged_tables",
-           "RECORD_BYTES", "model_time"]
+__all__ = ["load_staged", "fwd_output", "fwd_summaries", "fwd_output_arena_bytes", "fwd_summaries_arena_bytes",
+           "choose_segment_chunks_v4", "staged_tables", "RECORD_BYTES", "model_time"]
 
 CHUNK = 64
 RECORD_BYTES = 70144  # kda::kStagedRecordBytes
@@ -190,66 +191,94 @@ def _modules(device):
     return load_staged(device), load_program("kda_fwd", device)
 
 
-def workspace_bytes(plan, heads: int, run_ids=None) -> int:
-    """Bytes of the (chunk, head) records that one call needs (the largest buffer of the v4 forward)."""
-    runs = plan.runs if run_ids is None else [plan.runs[int(r)] for r in run_ids]
-    return sum(r.num_chunks(CHUNK) for r in runs) * heads * RECORD_BYTES
+def _state_shape(n: int, H: int) -> tuple[int, int, int, int]:
+    return (n, H, _D, _D)
 
 
-def fwd_output(q, k, v, g, beta, scale, plan, state_in=None):
+def fwd_output_arena_bytes(plan, heads: int, device) -> int:
+    """Arena bytes ``fwd_output`` carves (exact: the same carves, in order): records, then the segment
+    summaries and the folded segment states."""
+    tabs = staged_tables(plan, heads, device)
+    if plan.num_tokens == 0 or plan.num_runs == 0 or tabs.num_chunks == 0:
+        return 0
+    n = tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
+    if tabs.num_summary > 0:
+        n += 2 * tensor_bytes(_state_shape(tabs.num_summary, heads), torch.float32)
+        n += tensor_bytes(_state_shape(tabs.num_sin, heads), torch.float32)
+    return n
+
+
+def fwd_summaries_arena_bytes(plan, heads: int, run_ids, device) -> int:
+    """Arena bytes ``fwd_summaries`` carves, its results (M, E) included."""
+    run_ids = tuple(int(r) for r in run_ids)
+    n = 2 * tensor_bytes(_state_shape(len(run_ids), heads), torch.float32)
+    if not run_ids:
+        return n
+    tabs = staged_tables(plan, heads, device, run_ids=run_ids)
+    if tabs.num_summary > 0:
+        n += tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
+        n += 2 * tensor_bytes(_state_shape(tabs.num_summary, heads), torch.float32)
+    return n
+
+
+def fwd_output(q, k, v, g, beta, scale, plan, state_in=None, arena=None):
     """o [T, H, 128] bf16 of every run of ``plan`` from its incoming state (``state_in`` [R, H, 128, 128]
-    fp32 or None = zero), same contract as ``CudaBackend.fwd_output``."""
+    fp32 or None = zero), same contract as ``CudaBackend.fwd_output``. Scratch comes from ``arena``
+    (``kda_kcp.arena.Arena``; None: allocated)."""
     check_tensors("CUDA backend", q, k, v, g, beta)
     q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
     dev = q.device
+    arena = arena if arena is not None else Arena(None, dev)
     T, H, _ = q.shape
     o = torch.empty(T, H, _D, dtype=torch.bfloat16, device=dev)
-    if T == 0 or plan.num_runs == 0:
-        return o
-    sin_t = state_in.contiguous().float() if state_in is not None else _none(dev)
-    if state_in is not None and tuple(sin_t.shape) != (plan.num_runs, H, _D, _D):
-        raise ValueError(f"state_in must be [{plan.num_runs}, {H}, {_D}, {_D}], got {tuple(state_in.shape)}")
     tabs = staged_tables(plan, H, dev)
-    if tabs.num_chunks == 0:
+    if T == 0 or plan.num_runs == 0 or tabs.num_chunks == 0:
         return o
+    none = arena.empty((0,), torch.float32)  # an absent optional argument of a binding (0 bytes)
+    sin_t = none
+    if state_in is not None:
+        sin_t = state_in.to(torch.float32).contiguous()  # a no-op for the states function.py hands in
+        if tuple(sin_t.shape) != _state_shape(plan.num_runs, H):
+            raise ValueError(f"state_in must be [{plan.num_runs}, {H}, {_D}, {_D}], got {tuple(state_in.shape)}")
     mod, v3 = _modules(dev)
     warps = _warps()
-    ws = torch.empty(tabs.num_chunks * H * RECORD_BYTES, dtype=torch.uint8, device=dev)
+    ws = arena.empty((tabs.num_chunks * H * RECORD_BYTES,), torch.uint8)
     mod.staged_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
-    seg_states = _none(dev)
+    seg_states = none
     if tabs.num_summary > 0:
-        m = torch.empty(tabs.num_summary, H, _D, _D, dtype=torch.float32, device=dev)
-        e = torch.empty_like(m)
+        m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
+        e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
         mod.staged_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
-        seg_states = torch.empty(tabs.num_sin, H, _D, _D, dtype=torch.float32, device=dev)
+        seg_states = arena.empty(_state_shape(tabs.num_sin, H), torch.float32)
         v3.merge_fold(m, e, tabs.chains, sin_t, seg_states)
     mod.staged_walk_output(v, ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
     return o
 
 
-def fwd_summaries(q, k, v, g, beta, scale, plan, run_ids):
-    """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E)."""
+def fwd_summaries(q, k, v, g, beta, scale, plan, run_ids, arena=None):
+    """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E).
+    M, E and the scratch come from ``arena`` (None: allocated); M and E live until the caller releases."""
     check_tensors("CUDA backend", q, k, v, g, beta)
     q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
     dev = q.device
+    arena = arena if arena is not None else Arena(None, dev)
     H = q.shape[1]
     run_ids = tuple(int(r) for r in run_ids)
-    M = torch.empty(len(run_ids), H, _D, _D, dtype=torch.float32, device=dev)
-    E = torch.empty_like(M)
+    M = arena.empty(_state_shape(len(run_ids), H), torch.float32)
+    E = arena.empty(_state_shape(len(run_ids), H), torch.float32)
     if not run_ids:
         return M, E
     tabs = staged_tables(plan, H, dev, run_ids=run_ids)
     mod, v3 = _modules(dev)
     warps = _warps()
     if tabs.num_summary > 0:
-        ws = torch.empty(tabs.num_chunks * H * RECORD_BYTES, dtype=torch.uint8, device=dev)
+        ws = arena.empty((tabs.num_chunks * H * RECORD_BYTES,), torch.uint8)
         mod.staged_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
-        m = torch.empty(tabs.num_summary, H, _D, _D, dtype=torch.float32, device=dev)
-        e = torch.empty_like(m)
+        m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
+        e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
         mod.staged_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
     else:
-        m = torch.empty(0, H, _D, _D, dtype=torch.float32, device=dev)
-        e = torch.empty_like(m)
+        m = e = arena.empty(_state_shape(0, H), torch.float32)
     # empty runs: chains of count 0 give M = I, E = 0 (the compose kernel starts from [I | 0])
     v3.merge_compose(m, e, tabs.chains, M, E)
     return M, E

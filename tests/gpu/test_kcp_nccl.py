@@ -4,8 +4,10 @@ Each spawned rank owns one GPU, builds the same inputs from one seed, runs the W
 the reference, then its shard of every layout, and gathers the shards back to global tensors. Checks:
 o and the five gradients against the W = 1 CUDA run (relative RMS <= 2e-3) and against the FP64 oracle
 (the forward / backward tolerances), det bitwise repeatable at W = 2, the checkpoint step equal to the
-plain step, nondet within 1e-4 of det, no host synchronization in a steady-state call, and ranks that
-disagree on the context raising instead of hanging. A failed assertion in any rank fails the test.
+plain step, nondet within 1e-4 of det, no host synchronization in a steady-state call, a workspace of
+exactly the queried size (bitwise the same results, nothing allocated but the outputs and the saved
+incoming states), and ranks that disagree on the context raising instead of hanging. Every rank reports
+every check; the tests below fail on any rank's failed checks.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def _worker(rank, world, init_file, seed, report_dir):
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev,
                             timeout=datetime.timedelta(seconds=180))  # a one-sided failure aborts, never hangs
-    lines, failures = [], {"w1": [], "exact": []}
+    lines, failures = [], {"w1": [], "exact": [], "workspace": []}
 
     def check(ok, kind, message):  # every check runs and is reported; the tests below judge them
         if not ok:
@@ -115,6 +117,22 @@ def _worker(rank, world, init_file, seed, report_dir):
                     check(torch.equal(x, x2), "exact", f"{where}: det not bitwise repeatable at W=2")
                     check(torch.equal(x, xc), "exact", f"{where}: the checkpoint step differs from the plain step")
                     check(rel(xn, x) <= 1e-4, "exact", f"{where}: nondet vs det {rel(xn, x):.2e} > 1e-4")
+                # a workspace of exactly the queried size: bitwise the same, only outputs (and the saved
+                # incoming states) allocated
+                ws = kda_kcp.WorkspaceKcp(ctx, H)
+                a0 = torch.cuda.memory_stats(dev)["allocation.all.allocated"]
+                o_w, saved_w = kda_kcp.chunk_kda_fwd_kcp(*local, ctx, workspace=ws)
+                a1 = torch.cuda.memory_stats(dev)["allocation.all.allocated"]
+                grads_w = kda_kcp.chunk_kda_bwd_kcp(ldo, saved_w, ctx, workspace=ws)
+                a2 = torch.cuda.memory_stats(dev)["allocation.all.allocated"]
+                want_fwd = 1 + (saved_w.state_in is not None)
+                lines.append(f"{case} {layout} W=2 workspace {ws.nbytes} B: allocations forward {a1 - a0} "
+                             f"(want {want_fwd}), backward {a2 - a1} (want 5)")
+                check(a1 - a0 == want_fwd and a2 - a1 == 5, "workspace",
+                      f"{case} {layout}: with a workspace the forward allocated {a1 - a0} (want {want_fwd}), "
+                      f"the backward {a2 - a1} (want 5)")
+                for name, xw, x in zip(NAMES, (o_w, *grads_w), got):
+                    check(torch.equal(xw, x), "workspace", f"{case} {layout} {name}: differs with a workspace")
         for part in (_no_host_sync, _disagreement_raises):
             try:
                 part(group, rank, dev, seed)
@@ -182,4 +200,9 @@ def test_kcp_w2_nccl_oracle_bitwise_checkpoint_nondet_nosync_disagreement(w2_rep
 
 def test_kcp_w2_nccl_matches_w1_cuda(w2_reports):
     bad = _failed(w2_reports, "w1")
+    assert not bad, f"{len(bad)} failed checks:\n" + "\n".join(bad)
+
+
+def test_kcp_w2_nccl_workspace_bitwise_and_allocation_free(w2_reports):
+    bad = _failed(w2_reports, "workspace")
     assert not bad, f"{len(bad)} failed checks:\n" + "\n".join(bad)

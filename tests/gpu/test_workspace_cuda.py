@@ -1,0 +1,94 @@
+"""Workspaces on the CUDA path (W = 1; tests/gpu/test_kcp_nccl.py covers W = 2): a WorkspaceKcp of exactly
+kda_workspace_bytes_kcp runs fwd + bwd with results bitwise equal to calls without one, allocates nothing
+but the outputs and never blocks the host; a byte less raises before any kernel runs; one workspace
+serves several packs in turn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_common import DEV, fresh_seed, make_inputs, require_kernel_gpu
+
+require_kernel_gpu("the CUDA workspace tests")
+
+import kda_kcp  # noqa: E402
+
+SEED = fresh_seed("workspace cuda")
+PACKS = {
+    "short": ([0, 1000, 1001, 4000, 9000], 4),
+    # one long document at H = 16: the forward and backward walks are segmented (summaries, folds)
+    "long": ([0, 60000], 16),
+}
+
+
+def _data(cu, H, seed):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(cu[-1], H, gen)
+    do = torch.randn(cu[-1], H, 128, generator=gen).bfloat16().to(DEV)
+    return inputs, do
+
+
+def _allocations() -> int:
+    return torch.cuda.memory_stats(DEV)["allocation.all.allocated"]
+
+
+def _step(inputs, do, ctx, workspace=None):
+    o, saved = kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx, workspace=workspace)
+    return (o, *kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx, workspace=workspace))
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+def test_exact_workspace_is_bitwise_allocation_free_and_non_blocking(pack):
+    cu, H = PACKS[pack]
+    inputs, do = _data(cu, H, SEED)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+    ws = kda_kcp.WorkspaceKcp(ctx, H)
+    assert ws.nbytes == kda_kcp.kda_workspace_bytes_kcp(ctx, H) > 0
+    ref = _step(inputs, do, ctx)  # also loads the kernels and uploads the plan's tables
+    torch.cuda.synchronize()
+    a0 = _allocations()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, saved = kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx, workspace=ws)
+        a1 = _allocations()
+        grads = kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx, workspace=ws)
+        a2 = _allocations()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    print(f"[{pack}] workspace {ws.nbytes / 2**20:.1f} MiB; allocations: forward {a1 - a0}, backward {a2 - a1}")
+    assert a1 - a0 == 1, "the forward allocated more than o"
+    assert a2 - a1 == 5, "the backward allocated more than dq, dk, dv, dg, dbeta"
+    for name, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), (o, *grads), ref):
+        assert torch.equal(x, r), f"{name} with the workspace differs from the call without one"
+
+
+def test_one_byte_short_raises_before_any_kernel():
+    cu, H = PACKS["short"]
+    inputs, do = _data(cu, H, SEED + 1)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+    need = kda_kcp.kda_workspace_bytes_kcp(ctx, H)
+    short = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(need - 1, dtype=torch.uint8, device=DEV))
+    torch.cuda.synchronize()
+    a0 = _allocations()
+    with pytest.raises(ValueError, match=f"needs {need} bytes"):
+        kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx, workspace=short)
+    assert _allocations() == a0, "the failed call allocated (an output or scratch) before raising"
+    _, saved = kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx)
+    with pytest.raises(ValueError, match=f"needs {need} bytes"):
+        kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx, workspace=short)
+
+
+def test_one_workspace_serves_several_packs():
+    ctxs, data = [], []
+    for i, (cu, H) in enumerate(PACKS.values()):
+        ctxs.append((kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV)), H))
+        data.append(_data(cu, H, SEED + 10 + i))
+    need = max(kda_kcp.kda_workspace_bytes_kcp(c, H) for c, H in ctxs)
+    ws = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(need, dtype=torch.uint8, device=DEV))
+    for _ in range(2):  # in turn, twice
+        for (ctx, H), (inputs, do) in zip(ctxs, data):
+            got = _step(inputs, do, ctx, ws)
+            ref = _step(inputs, do, ctx)
+            for x, r in zip(got, ref):
+                assert torch.equal(x, r)

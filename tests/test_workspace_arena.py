@@ -1,0 +1,99 @@
+"""The CUDA backend's workspace arithmetic, on the CPU: the CUDA wrappers run with their kernels replaced
+by no-ops, so every scratch carve of a forward and a backward call happens as on the GPU (same plans,
+tables, segment choices and order) without a GPU. Checks that the arena kda_workspace_bytes_kcp sizes is
+exactly the peak of the carves (never more, never less), at W = 1 and at W = 2 over gloo, for every
+layout, with segmented walks. tests/gpu/test_workspace_cuda.py runs the real kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import kda_kcp
+import kda_kcp.backend
+import kda_kcp.function as function
+from kda_kcp.arena import Arena, aligned
+from kda_kcp.cuda import CudaBackend, backward, staged
+from kda_kcp.workspace import exchange_elements
+from helpers import offsets, run_distributed
+
+
+class _NoKernels:
+    """Stands for a loaded kernel module: every entry point does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+class _Recorded(Arena):
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _Recorded.made.append(self)
+
+
+def _fake_cuda(monkeypatch):
+    backend = CudaBackend(True, forward="staged")
+    monkeypatch.setattr(function, "select_backend", lambda device, det: backend)
+    monkeypatch.setattr(kda_kcp.backend, "select_backend", lambda device, det: backend)
+    monkeypatch.setattr(function, "check_inputs", lambda *a: None)
+    monkeypatch.setattr(function, "Arena", _Recorded)
+    monkeypatch.setattr(staged, "check_tensors", lambda *a: None)
+    monkeypatch.setattr(backward, "check_tensors", lambda *a: None)
+    monkeypatch.setattr(staged, "_modules", lambda device: (_NoKernels(), _NoKernels()))
+    monkeypatch.setattr(backward, "load", lambda device: _NoKernels())
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "3")  # segmented forward walks on these small runs
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")  # and segmented backward walks
+    return backend
+
+
+def _inputs(T, H):
+    q = torch.zeros(T, H, 128, dtype=torch.bfloat16)
+    g = torch.zeros(T, H, 128, dtype=torch.float32)
+    return q, q.clone(), q.clone(), g, torch.zeros(T, H, dtype=torch.bfloat16), q.clone()
+
+
+def _check_exact(ctx, H):
+    """One fwd + bwd with a workspace of exactly the queried size: the arena's peak is its whole size."""
+    backend = function.select_backend(None, True)
+    need = kda_kcp.kda_workspace_bytes_kcp(ctx, H)
+    ex = exchange_elements(ctx, H, 128) * 4
+    arena_size = function.local_arena_bytes(ctx, H, backend, "cpu")
+    assert need == (aligned(ex) + arena_size if arena_size else ex)
+    q, k, v, g, beta, do = _inputs(ctx.local_tokens, H)
+    ws = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(need, dtype=torch.uint8))
+    _Recorded.made.clear()
+    o, saved = function.forward_kcp(q, k, v, g, beta, ctx, None, True, ws)
+    grads = function.backward_kcp(do, saved, ctx, ws)
+    assert o.shape == q.shape and len(grads) == 5
+    peaks = [a.peak for a in _Recorded.made]
+    assert len(peaks) == 2 and max(peaks) == arena_size, (peaks, arena_size)
+    short = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(need - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=f"needs {need} bytes"):
+        function.forward_kcp(q, k, v, g, beta, ctx, None, True, short)
+    with pytest.raises(ValueError, match=f"needs {need} bytes"):
+        function.backward_kcp(do, saved, ctx, short)
+
+
+@pytest.mark.parametrize("lengths,H", [([1000, 1, 0, 333], 4), ([2000], 2), ([64, 65, 63], 3)])
+def test_cuda_arena_is_exact_at_one_rank(monkeypatch, lengths, H):
+    _fake_cuda(monkeypatch)
+    _check_exact(kda_kcp.build_context_kcp(offsets(lengths)), H)
+
+
+def _two_ranks(rank, world):
+    mp = pytest.MonkeyPatch()
+    try:
+        _fake_cuda(mp)
+        for lengths in ([1000, 1, 0, 333], [2001], [5, 700, 61, 300, 3]):
+            for layout in kda_kcp.LAYOUTS:
+                ctx = kda_kcp.build_context_kcp(offsets(lengths), dist.group.WORLD, layout)
+                _check_exact(ctx, 2)
+    finally:
+        mp.undo()
+
+
+def test_cuda_arena_is_exact_at_two_ranks():
+    run_distributed(_two_ranks, 2)
