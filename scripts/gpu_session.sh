@@ -11,6 +11,7 @@
 #   bench1     benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS (ops $OPS, arms det nd control fla)
 #   bench2     benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 (all layouts, arms + fla_cp)
 #   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16
+#   sanitize   compute-sanitizer memcheck, racecheck, initcheck on one small fwd + bwd (scripts/profile_step.py)
 #   demo       python -m kda_kcp.demo (the README's main command)
 #   cache      pack Triton's cache (binaries, metadata, autotune results) into $OUT/triton-cache-part-*; carry them back as .build/triton-cache/part-*
 #
@@ -85,6 +86,13 @@ for st in "$@"; do
         --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         python3 scripts/profile_step.py --heads 16 > "$OUT/ncu.log" 2>&1
       add "ncu rc=$?"; grep -E "^  [a-z_].*\(|Duration|Throughput|Registers|Achieved Occupancy|Block Limit" "$OUT/ncu.log" | head -120;;
+    sanitize)  # compute-sanitizer on one small fwd + bwd (segmented walks forced), each tool as time allows
+      for tool in memcheck racecheck initcheck; do
+        if [ "$(left)" -lt 40 ]; then add "sanitize $tool: no time left"; continue; fi
+        KDA_KCP_SEG_CHUNKS=2 KDA_KCP_BWD_SEG_CHUNKS=2 timeout $(( $(left) - 20 )) compute-sanitizer --tool $tool \
+          --print-limit 20 python3 scripts/profile_step.py --heads 2 --docs 1 65 700 300 > "$OUT/sanitize_$tool.log" 2>&1
+        add "sanitize $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+      done;;
     demo)
       timeout 120 python3 -m kda_kcp.demo > "$OUT/demo.log" 2>&1; add "demo rc=$?: $(tail -2 "$OUT/demo.log" | tr '\n' ' ')";;
     cache)

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""One CUDA forward + backward of kda_kcp on the benchmark batch (W = 1), for a profiler to watch:
+"""One CUDA forward + backward of kda_kcp on the benchmark batch (W = 1), for a profiler or a checker to
+watch:
 
     ncu --clock-control none -k regex:"prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" \
         python scripts/profile_step.py --heads 16
+    compute-sanitizer --tool memcheck python scripts/profile_step.py --heads 2 --docs 1 65 700 300
 """
 
 import argparse
@@ -22,10 +24,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--deterministic", type=int, default=1)
+    p.add_argument("--docs", nargs="+", type=int, default=list(DOCS), help="document lengths")
     args = p.parse_args()
     dev, H = torch.device("cuda"), args.heads
     cu = [0]
-    for n in DOCS:
+    for n in args.docs:
         cu.append(cu[-1] + n)
     T = cu[-1]
     q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16().requires_grad_()
