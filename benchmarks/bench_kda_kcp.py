@@ -113,6 +113,9 @@ def parse_args(argv=None):
                    help="heads of the accuracy slice (default: the smallest of --heads, capped at 4)")
     p.add_argument("--flush-mib", type=int, default=None, help="flush buffer per iteration (default 256 on cuda, 32 on cpu)")
     p.add_argument("--no-workspace", action="store_true", help="do not pass a WorkspaceKcp to the kda_kcp arms")
+    p.add_argument("--local-arena", choices=("replay", "lean"), default="replay",
+                   help="the kda_kcp arms' workspace arena (lean: the backward in --lean-passes passes)")
+    p.add_argument("--lean-passes", type=int, default=None, help="passes of the lean arena (1..8; default 2)")
     p.add_argument("--timeout-min", type=float, default=15.0, help="process-group timeout in minutes (W > 1)")
     args = p.parse_args(argv)
     if args.quick:
@@ -361,7 +364,8 @@ class Bench:
         if arm in OURS:
             det = arm == "det"
             ws = None if self.args.no_workspace else kda_kcp.WorkspaceKcp(
-                lay.ctx, H, device=self.device, deterministic=det, head_dim=self.D)
+                lay.ctx, H, device=self.device, deterministic=det, head_dim=self.D,
+                local_arena=self.args.local_arena, lean_passes=self.args.lean_passes)
             ctx = lay.ctx
 
             def ours(q, k, v, g, beta):
@@ -519,10 +523,16 @@ class Bench:
     def byte_queries(self, lay, H) -> dict:
         """What the library says a call of this rank needs (workspace, saved for the backward, exchanged)."""
         out = {}
-        for name, fn in (("workspace", kda_kcp.kda_workspace_bytes_kcp), ("saved", kda_kcp.kda_saved_bytes_kcp),
-                         ("comm", kda_kcp.kda_comm_bytes_kcp)):
+        queries = (
+            ("workspace", lambda c: kda_kcp.kda_workspace_bytes_kcp(c, H, head_dim=self.D, device=self.device)),
+            ("workspace_lean2", lambda c: kda_kcp.kda_workspace_bytes_kcp(
+                c, H, head_dim=self.D, device=self.device, local_arena="lean", lean_passes=2)),
+            ("saved", lambda c: kda_kcp.kda_saved_bytes_kcp(c, H, head_dim=self.D)),
+            ("comm", lambda c: kda_kcp.kda_comm_bytes_kcp(c, H, head_dim=self.D)),
+        )
+        for name, fn in queries:
             try:
-                out[name] = int(fn(lay.ctx, H, head_dim=self.D))
+                out[name] = int(fn(lay.ctx))
             except Exception as exc:  # noqa: BLE001 - informational only
                 out[name] = f"{type(exc).__name__}: {exc}"
         return out
@@ -647,6 +657,8 @@ class Bench:
             "groups": a.groups,
             "flush_mib": a.flush_mib,
             "workspace": not a.no_workspace,
+            "local_arena": a.local_arena,
+            "lean_passes": a.lean_passes,
             "seed": a.seed,
             "inputs": "q,k: L2-normalised randn (BF16); v, do: randn (BF16); g: logsigmoid(2 + 1.5 z) clipped to "
                       "[-5, 0) (FP32); beta: sigmoid(z) clipped to [2^-8, 1 - 2^-8] (BF16)",
@@ -794,6 +806,23 @@ def memory_table(result) -> str | None:
     return md_table(header, body)
 
 
+def bytes_table(result) -> str | None:
+    """kda_kcp's byte queries per (layout, H): what one rank's call needs (the first op's row)."""
+    seen, body = set(), []
+    for r in result["rows"]:
+        b = r.get("kda_kcp_bytes")
+        if not b or (r["layout"], r["H"]) in seen:
+            continue
+        seen.add((r["layout"], r["H"]))
+        cell = [fmt_bytes(b[k]) if isinstance(b.get(k), int) else str(b.get(k)) for k in
+                ("workspace", "workspace_lean2", "saved", "comm")]
+        body.append([r["layout"], r["H"], *cell])
+    if not body:
+        return None
+    return md_table(["layout", "H", "workspace GiB (replay)", "workspace GiB (lean, 2 passes)", "saved GiB",
+                     "comm GiB per step"], body)
+
+
 def accuracy_table(acc) -> str:
     header = ["layout", "arm", "o", *GRAD_NAMES]
     body = []
@@ -818,6 +847,11 @@ def report(result):
     if acc is not None:
         print(f"## Error against the FP64 oracle (relative RMS; slice T = {acc['T']}, H = {acc['H']}; * = over tolerance)")
         print(accuracy_table(acc))
+        print("")
+    nbytes = bytes_table(result)
+    if nbytes is not None:
+        print("## kda_kcp byte queries per rank (kda_workspace_bytes_kcp, kda_saved_bytes_kcp, kda_comm_bytes_kcp)")
+        print(nbytes)
         print("")
     mem = memory_table(result)
     if mem is not None:

@@ -50,14 +50,16 @@ def _summary_dtype(backend, *xs) -> torch.dtype:
     return torch.float32 if backend.name == "cuda" else compute_dtype(*xs)
 
 
-def local_arena_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None) -> int:
-    """Arena bytes of the larger of a forward and a backward call of this context on ``backend``."""
+def local_arena_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None,
+                      passes: int | None = None) -> int:
+    """Arena bytes of the larger of a forward and a backward call of this context on ``backend``
+    (``passes``: the lean backward's pass count, None for the replay arena)."""
     if backend.name != "cuda":
         return 0
     H, K, V = num_heads, head_dim, value_dim or head_dim
     plan, local = ctx.plan, ctx.local
     fwd = backend.arena_bytes("fwd_output", local, H, device)
-    bwd = backend.arena_bytes("bwd_grads", local, H, device)
+    bwd = backend.arena_bytes("bwd_grads", local, H, device, passes=passes)
     if plan.needs_exchange:
         tmp = tensor_bytes((H, K, V), torch.float32)
         state = tensor_bytes((local.num_runs, H, K, V), torch.float32)
@@ -84,7 +86,7 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     here, before any kernel runs."""
     if workspace is None:
         return None, (Arena(None, device) if backend.name == "cuda" else None)
-    need = workspace_bytes(ctx, H, backend, device, K, V, dt)
+    need = workspace_bytes(ctx, H, backend, device, K, V, dt, workspace.lean_passes)
     if workspace.nbytes < need:
         raise ValueError(
             f"workspace too small: this call needs {need} bytes, the workspace has {workspace.nbytes}; size "
@@ -168,7 +170,9 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
             ctx, lambda ids: backend.bwd_summaries(q, k, v, g, beta, do, saved.scale, local, ids, arena=arena),
             plan.bwd_publish, plan.bwd_slots, plan.bwd_sources, q, v, dt, xbuf, arena, dstate_out,
         )
-    grads = backend.bwd_grads(q, k, v, g, beta, do, saved.scale, local, saved.state_in, dstate_out, arena=arena)
+    passes = workspace.lean_passes if workspace is not None else None
+    grads = backend.bwd_grads(q, k, v, g, beta, do, saved.scale, local, saved.state_in, dstate_out, arena=arena,
+                              passes=passes)
     return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
 
 

@@ -71,7 +71,7 @@ class TorchBackend:
 
     name = "torch"
 
-    def arena_bytes(self, op: str, plan, num_heads: int, device, run_ids=()) -> int:
+    def arena_bytes(self, op: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
         return 0
 
     def _inputs(self, cs: _ChunkSet, q, k, v, g, beta):
@@ -102,7 +102,8 @@ class TorchBackend:
         _, F, Mt = reverse_walk(prep, cs.gather(do, dt), cs.steps, scale, None, summary=True)
         return Mt, F
 
-    def bwd_grads(self, q, k, v, g, beta, do, scale, plan: LocalPlan, state_in=None, dstate_out=None, arena=None):
+    def bwd_grads(self, q, k, v, g, beta, do, scale, plan: LocalPlan, state_in=None, dstate_out=None, arena=None,
+                  passes=None):
         cs = _chunk_set(plan, range(plan.num_runs), q.device)
         dt, qc, kc, vc, gc, bc = self._inputs(cs, q, k, v, g, beta)
         doc = cs.gather(do, dt)

@@ -67,12 +67,13 @@ def exchange_elements(ctx, num_heads: int, head_dim: int, value_dim: int | None 
 
 
 def workspace_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None,
-                    dtype=torch.float32) -> int:
-    """Bytes of one call's workspace on ``backend``: the exchange scratch, then (CUDA) the arena."""
+                    dtype=torch.float32, lean_passes: int | None = None) -> int:
+    """Bytes of one call's workspace on ``backend``: the exchange scratch, then (CUDA) the arena
+    (``lean_passes``: the lean backward's pass count, None for the replay arena)."""
     ex = exchange_elements(ctx, num_heads, head_dim, value_dim) * _elt(dtype)
     from .function import local_arena_bytes  # the carves live beside the code that makes them
 
-    arena = local_arena_bytes(ctx, num_heads, backend, device, head_dim, value_dim)
+    arena = local_arena_bytes(ctx, num_heads, backend, device, head_dim, value_dim, lean_passes)
     return aligned(ex) + arena if arena else ex
 
 
@@ -87,13 +88,15 @@ def kda_workspace_bytes_kcp(
     """Bytes of workspace one call (forward or backward) of this context needs, on ``device`` (default:
     the device of the cu_seqlens the context was built from): the exchange scratch, and on the CUDA
     backend every scratch buffer of its kernels, so that a call with the workspace allocates only its
-    outputs. ``local_arena="lean"`` is accepted and checked but not implemented yet: it sizes the
-    replay arena."""
-    check_arena(local_arena, lean_passes)
+    outputs. ``local_arena="replay"`` holds the backward's per-chunk buffers for every chunk at once;
+    ``"lean"`` runs the backward in ``lean_passes`` passes (1..8, default 2) over whole segments of the
+    walks, on buffers for the largest pass, with results bitwise equal to replay."""
+    passes = check_arena(local_arena, lean_passes)
     from .backend import select_backend
 
     dev = _device_of(ctx, device)
-    return workspace_bytes(ctx, _heads(num_heads), select_backend(dev, deterministic), dev, head_dim, value_dim, dtype)
+    return workspace_bytes(ctx, _heads(num_heads), select_backend(dev, deterministic), dev, head_dim, value_dim,
+                           dtype, passes)
 
 
 def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
@@ -123,6 +126,7 @@ class WorkspaceKcp:
         *, head_dim=128, value_dim=None, dtype=torch.float32,
     ):
         self.device = _device_of(ctx, device)
+        self.lean_passes = check_arena(local_arena, lean_passes)  # None: the replay arena
         self.nbytes = kda_workspace_bytes_kcp(
             ctx, num_heads, deterministic, local_arena, lean_passes, head_dim=head_dim, value_dim=value_dim,
             dtype=dtype, device=self.device,
@@ -131,12 +135,14 @@ class WorkspaceKcp:
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
 
     @classmethod
-    def from_buffer(cls, buffer: torch.Tensor, deterministic=True) -> "WorkspaceKcp":
-        """Wrap caller-owned bytes (a 1-D uint8 tensor) as a workspace."""
+    def from_buffer(cls, buffer: torch.Tensor, deterministic=True, local_arena="replay", lean_passes=None) -> "WorkspaceKcp":
+        """Wrap caller-owned bytes (a 1-D uint8 tensor) as a workspace for calls of ``local_arena`` (and
+        ``lean_passes``), which its size must fit (kda_workspace_bytes_kcp with the same arguments)."""
         if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise TypeError("workspace buffer must be a 1-D torch.uint8 tensor")
         ws = cls.__new__(cls)
         ws.nbytes, ws.deterministic, ws.device, ws.buffer = buffer.numel(), deterministic, buffer.device, buffer
+        ws.lean_passes = check_arena(local_arena, lean_passes)
         return ws
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:

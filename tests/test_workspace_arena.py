@@ -1,8 +1,10 @@
 """The CUDA backend's workspace arithmetic, on the CPU: the CUDA wrappers run with their kernels replaced
 by no-ops, so every scratch carve of a forward and a backward call happens as on the GPU (same plans,
 tables, segment choices and order) without a GPU. Checks that the arena kda_workspace_bytes_kcp sizes is
-exactly the peak of the carves (never more, never less), at W = 1 and at W = 2 over gloo, for every
-layout, with segmented walks. tests/gpu/test_workspace_cuda.py runs the real kernels."""
+exactly the peak of the carves (never more, never less), for the replay arena and the lean one (1 to 3
+passes), at W = 1 and at W = 2 over gloo, for every layout, with segmented walks, and that the lean passes
+hold every chunk once and the same walk and summary rows. tests/gpu/test_workspace_cuda.py runs the real
+kernels."""
 
 from __future__ import annotations
 
@@ -55,32 +57,64 @@ def _inputs(T, H):
     return q, q.clone(), q.clone(), g, torch.zeros(T, H, dtype=torch.bfloat16), q.clone()
 
 
-def _check_exact(ctx, H):
+ARENAS = (("replay", None), ("lean", 1), ("lean", 2), ("lean", 3))
+
+
+def _check_exact(ctx, H, local_arena="replay", lean_passes=None):
     """One fwd + bwd with a workspace of exactly the queried size: the arena's peak is its whole size."""
     backend = function.select_backend(None, True)
-    need = kda_kcp.kda_workspace_bytes_kcp(ctx, H)
+    need = kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena=local_arena, lean_passes=lean_passes)
+    passes = kda_kcp.workspace.check_arena(local_arena, lean_passes)
     ex = exchange_elements(ctx, H, 128) * 4
-    arena_size = function.local_arena_bytes(ctx, H, backend, "cpu")
+    arena_size = function.local_arena_bytes(ctx, H, backend, "cpu", passes=passes)
     assert need == (aligned(ex) + arena_size if arena_size else ex)
     q, k, v, g, beta, do = _inputs(ctx.local_tokens, H)
-    ws = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(need, dtype=torch.uint8))
+
+    def workspace(n):
+        return kda_kcp.WorkspaceKcp.from_buffer(torch.empty(n, dtype=torch.uint8), True, local_arena, lean_passes)
+
     _Recorded.made.clear()
-    o, saved = function.forward_kcp(q, k, v, g, beta, ctx, None, True, ws)
-    grads = function.backward_kcp(do, saved, ctx, ws)
+    o, saved = function.forward_kcp(q, k, v, g, beta, ctx, None, True, workspace(need))
+    grads = function.backward_kcp(do, saved, ctx, workspace(need))
     assert o.shape == q.shape and len(grads) == 5
     peaks = [a.peak for a in _Recorded.made]
-    assert len(peaks) == 2 and max(peaks) == arena_size, (peaks, arena_size)
-    short = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(need - 1, dtype=torch.uint8))
+    assert len(peaks) == 2 and max(peaks) == arena_size, (local_arena, lean_passes, peaks, arena_size)
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
-        function.forward_kcp(q, k, v, g, beta, ctx, None, True, short)
+        function.forward_kcp(q, k, v, g, beta, ctx, None, True, workspace(need - 1))
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
-        function.backward_kcp(do, saved, ctx, short)
+        function.backward_kcp(do, saved, ctx, workspace(need - 1))
+    return need
+
+
+def _check_all_arenas(ctx, H):
+    sizes = {arena: _check_exact(ctx, H, *arena) for arena in ARENAS}
+    assert sizes[("lean", 1)] == sizes[("replay", None)]  # one pass holds every chunk
+    assert sizes[("lean", 3)] <= sizes[("lean", 2)] <= sizes[("replay", None)]
+    _check_passes(ctx.local, H)
+
+
+def _check_passes(plan, H):
+    """Every chunk in exactly one pass; each pass's rows name the same chunks as the whole tables."""
+    if plan.num_tokens == 0:
+        return
+    st = backward._seg_tables(plan, H, "cpu")
+    chunks, _ = backward._tables(plan, "cpu")
+    whole = {name: sorted(tuple(chunks[r[0]:r[0] + r[1]].flatten().tolist()) + tuple(r[1:])
+                          for r in st.host[name]) for name in ("fwalk", "rwalk", "fsum", "rsum")}
+    for passes in (1, 2, 3, 8):
+        lean = backward._lean_passes(plan, H, "cpu", passes)
+        seen = sorted(t for p in lean for t in p.chunks[:, 0].tolist())
+        assert seen == sorted(chunks[:, 0].tolist())
+        for name in whole:
+            got = sorted(tuple(p.chunks[r[0]:r[0] + r[1]].flatten().tolist()) + tuple(r[1:])
+                         for p in lean for r in getattr(p, name).tolist())
+            assert got == whole[name], (passes, name)
 
 
 @pytest.mark.parametrize("lengths,H", [([1000, 1, 0, 333], 4), ([2000], 2), ([64, 65, 63], 3)])
 def test_cuda_arena_is_exact_at_one_rank(monkeypatch, lengths, H):
     _fake_cuda(monkeypatch)
-    _check_exact(kda_kcp.build_context_kcp(offsets(lengths)), H)
+    _check_all_arenas(kda_kcp.build_context_kcp(offsets(lengths)), H)
 
 
 def _two_ranks(rank, world):
@@ -90,7 +124,7 @@ def _two_ranks(rank, world):
         for lengths in ([1000, 1, 0, 333], [2001], [5, 700, 61, 300, 3]):
             for layout in kda_kcp.LAYOUTS:
                 ctx = kda_kcp.build_context_kcp(offsets(lengths), dist.group.WORLD, layout)
-                _check_exact(ctx, 2)
+                _check_all_arenas(ctx, 2)
     finally:
         mp.undo()
 

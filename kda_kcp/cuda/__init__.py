@@ -61,8 +61,9 @@ class CudaBackend:
         self._loaded.add(key)
 
     # ---------------- scratch (kda_kcp.arena; the fused v3 forward allocates its own) ----------------
-    def arena_bytes(self, op: str, plan, num_heads: int, device, run_ids=()) -> int:
-        """Arena bytes one call of ``op`` (fwd_output, fwd_summaries, bwd_grads, bwd_summaries) carves."""
+    def arena_bytes(self, op: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
+        """Arena bytes one call of ``op`` (fwd_output, fwd_summaries, bwd_grads, bwd_summaries) carves;
+        ``passes``: the lean backward's pass count (None: replay)."""
         from . import backward
 
         if op in ("fwd_output", "fwd_summaries") and _forward_kind(self.forward) != "staged":
@@ -72,7 +73,7 @@ class CudaBackend:
         if op == "fwd_summaries":
             return staged.fwd_summaries_arena_bytes(plan, num_heads, run_ids, device)
         if op == "bwd_grads":
-            return backward.bwd_grads_arena_bytes(plan, num_heads, device)
+            return backward.bwd_grads_arena_bytes(plan, num_heads, device, passes)
         if op == "bwd_summaries":
             return backward.bwd_summaries_arena_bytes(plan, num_heads, run_ids)
         raise ValueError(f"unknown op {op!r}")
@@ -129,7 +130,8 @@ class CudaBackend:
 
         return bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids, arena)
 
-    def bwd_grads(self, q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, arena=None):
+    def bwd_grads(self, q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, arena=None, passes=None):
         from .backward import bwd_grads
 
-        return bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out, self.deterministic, arena=arena)
+        return bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out, self.deterministic, arena=arena,
+                         passes=passes)

@@ -144,6 +144,7 @@ class SegTables:
             return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
 
         self.seg_chunks = L
+        self.host = {"fwalk": fwalk, "rwalk": rwalk, "fsum": fsum, "rsum": rsum}  # for the lean passes
         self.fwalk, self.rwalk, self.fsum, self.rsum = t(fwalk), t(rwalk), t(fsum), t(rsum)
         self.fchains, self.rchains = t(fch), t(rch)
         self.num_fold_f, self.num_fold_r = nf, nr
@@ -156,6 +157,51 @@ def _seg_tables(plan, heads: int, device) -> SegTables:
     if key not in cache:
         cache[key] = SegTables(plan, heads, device)
     return cache[key]
+
+
+class LeanPass:
+    """One pass of the lean backward: its chunks (rows of the plan's chunk table) and its rows of the walk
+    and summary tables, chunk indices local to the pass (summary and fold indices stay global)."""
+
+    def __init__(self, chunks, rows: dict, device):
+        self.num_chunks = int(chunks.shape[0])
+        self.chunks = chunks
+        for name, lst in rows.items():
+            setattr(self, name, torch.tensor(lst, dtype=torch.int32).reshape(-1, 4).to(device))
+        self.has_summaries = bool(rows["fsum"] or rows["rsum"])
+
+
+def _lean_passes(plan, heads: int, device, passes: int) -> list[LeanPass]:
+    """The segments of the backward's walks assigned to ``passes`` passes, longest first to the pass with
+    the fewest chunks so far (a pure function of the segment table): each pass holds whole segments, so
+    every kernel sees exactly the chunks and states it sees in one pass, and results are bitwise equal."""
+    key = ("cuda_bwd_lean", heads, str(torch.device(device)), passes, os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""))
+    cache = plan._tables
+    if key in cache:
+        return cache[key]
+    st = _seg_tables(plan, heads, device)
+    chunks, _ = _tables(plan, device)
+    segs = sorted({(r[0], r[1]) for r in st.host["fwalk"]}, key=lambda fc: (-fc[1], fc[0]))
+    load, members = [0] * passes, [[] for _ in range(passes)]
+    for first, count in segs:
+        p = min(range(passes), key=lambda i: (load[i], i))
+        load[p] += count
+        members[p].append((first, count))
+    out = []
+    for mem in members:
+        if not mem:
+            continue
+        mem.sort()
+        local, ids = {}, []
+        for first, count in mem:
+            local[first] = len(ids)
+            ids.extend(range(first, first + count))
+        rows = {name: [(local[r[0]], *r[1:]) for r in st.host[name] if r[0] in local]
+                for name in ("fwalk", "rwalk", "fsum", "rsum")}
+        sub = chunks.index_select(0, torch.tensor(ids, dtype=torch.long, device=chunks.device))
+        out.append(LeanPass(sub, rows, device))
+    cache[key] = out
+    return out
 
 
 def _summary_tables(plan, run_ids, device):
@@ -179,14 +225,18 @@ def _states(n: int, H: int) -> int:
     return tensor_bytes((n, H, _D, _D), torch.float32)
 
 
-def bwd_grads_arena_bytes(plan, num_heads: int, device) -> int:
-    """Arena bytes ``bwd_grads`` carves (exact: the same carves, in order): prep records, h, dh, and the
-    segment summaries and folded states of the segmented walks."""
+def bwd_grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -> int:
+    """Arena bytes ``bwd_grads`` carves (exact: the same carves, in order). Replay (passes None): prep
+    records, h and dh of every chunk, then the segment summaries and folds. Lean (passes 1..8): the prep
+    records, h and dh of the largest pass, then the summaries and folds."""
     if plan.num_tokens == 0 or plan.num_runs == 0:
         return 0
     H = num_heads
-    nc = sum(r.num_chunks(plan.chunk_size) for r in plan.runs)
     st = _seg_tables(plan, H, device)
+    if passes is None:
+        nc = sum(r.num_chunks(plan.chunk_size) for r in plan.runs)
+    else:
+        nc = max((p.num_chunks for p in _lean_passes(plan, H, device, passes)), default=0)
     n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + 2 * _states(nc, H)
     if st.num_sum_f:  # summaries M, E and their fold
         n += 2 * _states(st.num_sum_f, H) + _states(st.num_fold_f, H)
@@ -224,9 +274,11 @@ def _state(x, n, H, none, name):
 
 
 def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, deterministic=True, timing=None,
-              arena=None):
+              arena=None, passes=None):
     """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan``. Scratch comes from ``arena``
-    (``kda_kcp.arena.Arena``; None: allocated).
+    (``kda_kcp.arena.Arena``; None: allocated). ``passes`` (1..8) runs the lean backward: the chunks in
+    passes of whole segments on per-pass buffers (the prep recomputed once when segments are summarized),
+    bitwise equal to the default (replay) backward.
 
     ``timing``: a dict to receive the milliseconds of each stage (CUDA events; synchronizes; benchmarks only)."""
     check_tensors("CUDA backward", q, k, v, g, beta, do)
@@ -248,6 +300,10 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
     e0 = arena.empty((0,), torch.float32)  # an absent optional argument of a binding (0 bytes)
     sin = _state(state_in, R, H, e0, "state_in")
     dso = _state(dstate_out, R, H, e0, "dstate_out")
+    if passes is not None:
+        _bwd_grads_lean(mod, q, k, v, g, beta, do, float(scale), plan, sin, dso, e0, arena, passes,
+                        (dq, dk, dv, dg, dbeta))
+        return dq, dk, dv, dg, dbeta
     prep = arena.empty((nc * H * PREP_BYTES,), torch.uint8)
     h = arena.empty((nc, H, _D, _D), torch.float32)
     dh = arena.empty((nc, H, _D, _D), torch.float32)
@@ -293,6 +349,54 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
         timing["total"] = events[0][1].elapsed_time(events[-1][1])
         timing["seg_chunks"] = st.seg_chunks
     return dq, dk, dv, dg, dbeta
+
+
+def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena, passes, grads):
+    """The lean backward: per-pass prep records, h and dh (sized for the largest pass)."""
+    H = q.shape[1]
+    dev = q.device
+    st = _seg_tables(plan, H, dev)
+    lean = _lean_passes(plan, H, dev, passes)
+    ncmax = max(p.num_chunks for p in lean)
+    prep_all = arena.empty((ncmax * H * PREP_BYTES,), torch.uint8)
+    h_all = arena.empty((ncmax, H, _D, _D), torch.float32)
+    dh_all = arena.empty((ncmax, H, _D, _D), torch.float32)
+
+    def views(p):  # exact-size buffers of one pass
+        return prep_all[: p.num_chunks * H * PREP_BYTES], h_all[: p.num_chunks], dh_all[: p.num_chunks]
+
+    ffold, rfold = e0, e0
+    if st.num_sum_f or st.num_sum_r:
+        # summaries of every segment first (they need every pass's records), then the folds
+        m = e = mt = f = None
+        if st.num_sum_f:
+            m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
+            e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
+        if st.num_sum_r:
+            mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
+            f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
+        for p in lean:
+            if not p.has_summaries:
+                continue
+            prep, _, _ = views(p)
+            mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
+            if p.fsum.shape[0]:
+                mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e)
+            if p.rsum.shape[0]:
+                mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f)
+        if st.num_sum_f:
+            ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
+            mod.bwd_fold(m, e, st.fchains, sin, ffold, False)
+        if st.num_sum_r:
+            rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
+            mod.bwd_fold(mt, f, st.rchains, dso, rfold, True)
+    dq, dk, dv, dg, dbeta = grads
+    for p in lean:
+        prep, h, dh = views(p)
+        mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
+        mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h)
+        mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh)
+        mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale)
 
 
 def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids, arena=None):

@@ -125,3 +125,23 @@ def test_cuda_graph_replay_matches_eager(pack):
         eager = _step(new_inputs, new_do, ctx)
         for name, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), outs, eager):
             assert torch.equal(x, r), f"trial {trial}: {name} of the replayed graph differs from eager"
+
+
+@pytest.mark.parametrize("passes", [1, 2, 3])
+@pytest.mark.parametrize("pack", list(PACKS))
+def test_lean_arena_is_smaller_and_bitwise_equal_to_replay(pack, passes):
+    """local_arena="lean": the backward in passes over whole segments, on per-pass buffers."""
+    cu, H = PACKS[pack]
+    inputs, do = _data(cu, H, SEED + 30)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+    replay = kda_kcp.WorkspaceKcp(ctx, H)
+    lean = kda_kcp.WorkspaceKcp(ctx, H, local_arena="lean", lean_passes=passes)
+    print(f"[{pack}] workspace replay {replay.nbytes / 2**20:.1f} MiB, lean {passes} passes {lean.nbytes / 2**20:.1f} MiB")
+    assert lean.nbytes <= replay.nbytes
+    ref = _step(inputs, do, ctx, replay)
+    torch.cuda.synchronize()
+    a0 = _allocations()
+    got = _step(inputs, do, ctx, lean)
+    assert _allocations() - a0 == 6, "the lean step allocated more than o and the five gradients"
+    for name, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, ref):
+        assert torch.equal(x, r), f"{name}: lean ({passes} passes) differs from replay"
