@@ -6,7 +6,8 @@ o and the five gradients against the W = 1 CUDA run (relative RMS <= 2e-3) and a
 (the forward / backward tolerances), det bitwise repeatable at W = 2, the checkpoint step equal to the
 plain step, nondet within 1e-4 of det, no host synchronization in a steady-state call, a workspace of
 exactly the queried size (bitwise the same results, nothing allocated but the outputs and the saved
-incoming states), and ranks that disagree on the context raising instead of hanging. Every rank reports
+incoming states), fwd + bwd captured in a CUDA graph (NCCL included) replaying bitwise equal to eager
+calls on new inputs, and ranks that disagree on the context raising instead of hanging. Every rank reports
 every check; the tests below fail on any rank's failed checks.
 """
 
@@ -82,7 +83,7 @@ def _worker(rank, world, init_file, seed, report_dir):
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev,
                             timeout=datetime.timedelta(seconds=180))  # a one-sided failure aborts, never hangs
-    lines, failures = [], {"w1": [], "exact": [], "workspace": []}
+    lines, failures = [], {"w1": [], "exact": [], "workspace": [], "graph": []}
 
     def check(ok, kind, message):  # every check runs and is reported; the tests below judge them
         if not ok:
@@ -133,6 +134,10 @@ def _worker(rank, world, init_file, seed, report_dir):
                       f"the backward {a2 - a1} (want 5)")
                 for name, xw, x in zip(NAMES, (o_w, *grads_w), got):
                     check(torch.equal(xw, x), "workspace", f"{case} {layout} {name}: differs with a workspace")
+                try:
+                    _graph_replay(ctx, local, ldo, ws, seed + 50 + ci, H, cu, dev, check, f"{case} {layout}")
+                except Exception as e:  # noqa: BLE001 (reported as a failed check)
+                    check(False, "graph", f"{case} {layout}: capture or replay raised {type(e).__name__}: {e}")
         for part in (_no_host_sync, _disagreement_raises):
             try:
                 part(group, rank, dev, seed)
@@ -143,6 +148,37 @@ def _worker(rank, world, init_file, seed, report_dir):
         with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"lines": lines, "failures": failures}, f)
         dist.destroy_process_group()
+
+
+def _explicit(local, ldo, ctx, ws=None):
+    o, saved = kda_kcp.chunk_kda_fwd_kcp(*local, ctx, workspace=ws)
+    return (o, *kda_kcp.chunk_kda_bwd_kcp(ldo, saved, ctx, workspace=ws))
+
+
+def _graph_replay(ctx, local, ldo, ws, seed, H, cu, dev, check, where):
+    """fwd + bwd (both all-gathers included) captured once in a CUDA graph, replayed with new inputs."""
+    static = [x.clone() for x in local]
+    static_do = ldo.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _explicit(static, static_do, ctx, ws)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _explicit(static, static_do, ctx, ws)
+    gen = torch.Generator().manual_seed(seed)
+    new = [ctx.shard(x) for x in make_inputs(cu[-1], H, gen, device=dev)]
+    new_do = ctx.shard(torch.randn(cu[-1], H, 128, generator=gen).bfloat16().to(dev))
+    for s, n in zip(static, new):
+        s.copy_(n)
+    static_do.copy_(new_do)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _explicit(new, new_do, ctx)
+    for name, x, r in zip(NAMES, outs, eager):
+        check(torch.equal(x, r), "graph", f"{where} {name}: the replayed graph differs from eager")
 
 
 def _no_host_sync(group, rank, dev, seed):
@@ -205,4 +241,9 @@ def test_kcp_w2_nccl_matches_w1_cuda(w2_reports):
 
 def test_kcp_w2_nccl_workspace_bitwise_and_allocation_free(w2_reports):
     bad = _failed(w2_reports, "workspace")
+    assert not bad, f"{len(bad)} failed checks:\n" + "\n".join(bad)
+
+
+def test_kcp_w2_nccl_cuda_graph_replay(w2_reports):
+    bad = _failed(w2_reports, "graph")
     assert not bad, f"{len(bad)} failed checks:\n" + "\n".join(bad)
