@@ -1,4 +1,5 @@
-// KDA chunked backward, head dim 128, chunk 64 (v1, staged). Four kernels:
+// KDA chunked backward, head dim 128, chunk 64 (v1, staged). Four kernels, and the FP32 affine fold of
+// segment summaries shared with the forward (kda_affine_merge.cuh):
 //
 //   prep_kernel      (chunk, head):        G = cumsum g, P, L, Aqk by anchored pairwise products on tensor
 //                                          cores, A = (I + L)^-1 in FP32 (blocked substitution), W, U, Kg,
@@ -14,6 +15,7 @@
 //
 // No atomics anywhere; every reduction has a fixed order, so the result is bitwise repeatable, and the
 // same kernels serve both packages (det and nondet).
+#include "kda_affine_merge.cuh"
 #include "kda_bwd.h"
 #include "kda_chunk_prep.cuh"
 #include "kda_common.cuh"
@@ -1028,57 +1030,6 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
   }
 }
 
-// ================================================================================================
-// fold of segment summaries in FP32: X = init; for j < count: X = M[first + j] X + E[first + j],
-// written to fold[out + j]. 32 state columns per CTA, X (128 x 32) in shared memory; fixed order.
-// chains rows: (first summary, count, init idx (-1: zero), first out slot); init rows come from a.state_in
-// (forward) or a.dstate_out (backward: the summaries are (M^T, F), listed from the run's end).
-// ================================================================================================
-template <bool REV>
-__global__ void __launch_bounds__(256) fold_kernel(const Args a) {
-  __shared__ float X[D][33];
-  const int ch = blockIdx.x, h = blockIdx.y, col0 = blockIdx.z * 32;
-  const int first = a.runs[4 * ch], cnt = a.runs[4 * ch + 1], init = a.runs[4 * ch + 2], outi = a.runs[4 * ch + 3];
-  const int t = threadIdx.x, d = t >> 1, cb = (t & 1) * 16;
-  const int H = a.H;
-  const float* src0 = REV ? a.dstate_out : a.state_in;
-#pragma unroll
-  for (int cc = 0; cc < 16; ++cc) {
-    float x = 0.f;
-    if (init >= 0 && src0 != nullptr) x = src0[((static_cast<int64_t>(init) * H + h) * D + d) * D + col0 + cb + cc];
-    X[d][cb + cc] = x;
-  }
-  __syncthreads();
-  for (int j = 0; j < cnt; ++j) {
-    const int64_t sb = (static_cast<int64_t>(first + j) * H + h) * D * D;
-    float acc[16];
-#pragma unroll
-    for (int cc = 0; cc < 16; ++cc) acc[cc] = a.e_sum[sb + d * D + col0 + cb + cc];
-    const float4* mrow = reinterpret_cast<const float4*>(a.m_sum + sb + d * D);
-#pragma unroll 4
-    for (int m4 = 0; m4 < D / 4; ++m4) {
-      const float4 mv = mrow[m4];
-#pragma unroll
-      for (int cc = 0; cc < 16; ++cc) {
-        float s = acc[cc];
-        s = fmaf(mv.x, X[4 * m4 + 0][cb + cc], s);
-        s = fmaf(mv.y, X[4 * m4 + 1][cb + cc], s);
-        s = fmaf(mv.z, X[4 * m4 + 2][cb + cc], s);
-        s = fmaf(mv.w, X[4 * m4 + 3][cb + cc], s);
-        acc[cc] = s;
-      }
-    }
-    __syncthreads();
-    float* dst = a.fold_out + (static_cast<int64_t>(outi + j) * H + h) * D * D + d * D + col0 + cb;
-#pragma unroll
-    for (int cc = 0; cc < 16; ++cc) {
-      X[d][cb + cc] = acc[cc];
-      dst[cc] = acc[cc];
-    }
-    __syncthreads();
-  }
-}
-
 template <class K>
 cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cudaStream_t s) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -1102,10 +1053,16 @@ cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s) {
   return launch(fwd_walk_kernel<true>, dim3(a.nruns, a.H, 2 * D / WCOLS), WNW * 32, 2 * FW_STAGE, a, s);
 }
 cudaError_t launch_fold(const Args& a, bool rev, cudaStream_t s) {
-  if (a.nruns == 0 || a.H == 0) return cudaSuccess;
-  if (rev) fold_kernel<true><<<dim3(a.nruns, a.H, D / 32), 256, 0, s>>>(a);
-  else fold_kernel<false><<<dim3(a.nruns, a.H, D / 32), 256, 0, s>>>(a);
-  return cudaGetLastError();
+  // the shared FP32 affine fold: (M, E) from state_in forward, (M^T, F) from dstate_out backward
+  MergeArgs m{};
+  m.m = a.m_sum;
+  m.e = a.e_sum;
+  m.chains = a.runs;
+  m.nchain = a.nruns;
+  m.H = a.H;
+  m.init = rev ? a.dstate_out : a.state_in;
+  m.out0 = a.fold_out;
+  return launch_merge_fold(m, s);
 }
 cudaError_t launch_rev_walk(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;

@@ -1,4 +1,4 @@
-// Chunk-prep device code shared by the staged forward (kda_fwd_staged.cu) and the backward prep
+// Chunk-prep device code shared by the forward (kda_fwd.cu) and the backward prep
 // (kda_bwd.cu): pieces of A = (I + L)^-1 in FP32 for a 64-row chunk, L strictly lower (fp32 tiles of row
 // stride LD in shared memory).
 #pragma once

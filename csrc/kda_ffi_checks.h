@@ -1,5 +1,5 @@
-// Host-side tensor checks shared by the TVM-FFI wrappers of the staged forward and the backward
-// (kda_fwd_staged_binding.cu, kda_bwd_binding.cu). A failed check raises a Python exception.
+// Host-side tensor checks shared by the TVM-FFI wrappers of the forward and the backward
+// (kda_fwd_binding.cu, kda_bwd_binding.cu). A failed check raises a Python exception.
 #pragma once
 
 #include <cuda_runtime.h>

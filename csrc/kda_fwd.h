@@ -1,6 +1,7 @@
-// Host launchers of the forward kernels (kda_fwd.cu). All pointers are device pointers; nothing here
-// allocates. Layouts: q, k, v, o [T, H, 128] bf16; g [T, H, 128] fp32; beta [T, H] bf16;
-// states / summaries [n, H, 128, 128] fp32 indexed [.., key, value] (M: [.., key_out, key_in]).
+// Host launchers of the forward (kda_fwd.cu). All pointers are device pointers; nothing
+// here allocates. Layouts: q, k, v, o [T, H, 128] bf16; g [T, H, 128] fp32; beta [T, H] bf16;
+// states / summaries [n, H, 128, 128] fp32 indexed [.., key, value] (M: [.., key_out, key_in]);
+// workspace: one record of kFwdRecordBytes per (chunk, head), record index chunk * H + head.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,44 +9,50 @@
 
 namespace kda {
 
-struct ChunkArgs {
+// Record of one (chunk, head), written by the prep kernel, read by the walks (byte offsets):
+//   0      -W      bf16 [64][128], 16-byte chunks XOR-swizzled by row (sw128)
+//   16384  Qg      bf16 [64][128] sw128, = s q o exp(G)
+//   32768  Kg      bf16 [64][128] sw128, = k o exp(G_63 - G)
+//   49152  Aqk hi  bf16, the 10 lower 16x16 blocks (block I(I+1)/2 + J), rows of 32 B, chunk ^ ((r >> 2) & 1)
+//   54272  Aqk lo
+//   59392  gamma   fp32 [128] = exp(G_63)
+//   59904  A diag(beta) hi  (10 lower blocks as for Aqk)
+//   65024  A diag(beta) lo
+constexpr int kFwdRecordBytes = 70144;
+
+struct PrepArgs {
   const void* q;
   const void* k;
-  const void* v;
   const float* g;
   const void* beta;
-  const int32_t* segs;  // [nseg][4]
-  int nseg;
+  const int32_t* chunks;  // [nchunk][2] = (tok_start, nrows)
+  int nchunk;
   int H;
   float scale;
-  // forward (o != nullptr): segs rows = (tok_start, ntok, idx, kind); kind 0: state_in[idx] (the run) or
-  // zero when state_in is null; kind 1: sin[idx] (a slot filled by the merge)
+  void* ws;  // [nchunk * H] records
+};
+
+struct WalkArgs {
+  const void* v;
+  const void* ws;
+  const int32_t* chunks;  // [nchunk][2] = (tok_start, rows): the chunk table the records were made from
+  const int32_t* segs;    // [nseg][8] = (tok_start, ntok, first chunk, idx, kind, chunks, 0, 0)
+  int nseg;
+  int H;
+  // output walk: kind 0: state_in[idx] (null: zero), kind 1: sin[idx]
   void* o;
-  const float* state_in;  // may be null
-  const float* sin;       // may be null when no segment has kind 1
-  // summary (o == nullptr): segs rows = (tok_start, ntok, out_index, 0)
+  const float* state_in;
+  const float* sin;
+  // summary walk (from a zero state): M and E written to slot idx
   float* m_out;
   float* e_out;
 };
 
-// Forward output over segments (one CTA per (segment, head)).
-cudaError_t launch_fwd_output(const ChunkArgs& a, cudaStream_t stream);
-// Affine summaries (M, E) of segments from a zero state.
-cudaError_t launch_fwd_summary(const ChunkArgs& a, cudaStream_t stream);
-
-struct MergeArgs {
-  const float* m;         // [ns, H, K, K]
-  const float* e;         // [ns, H, K, V]
-  const int32_t* chains;  // [nchain][4] = (first summary, count, init run or -1, out index)
-  int nchain;
-  int H;
-  const float* state_in;  // [R, H, K, V] or null (fold mode)
-  float* out0;            // fold: S_in per segment [nseg, H, K, V]; compose: M_out [n, H, K, K]
-  float* out1;            // compose: E_out [n, H, K, V]
-};
-// fold: S(j+1) = M_j S(j) + E_j along each chain, writing every S(j+1) to out0[out + j].
-cudaError_t launch_merge_fold(const MergeArgs& a, cudaStream_t stream);
-// compose: the whole chain's (M, E) into out0[out], out1[out].
-cudaError_t launch_merge_compose(const MergeArgs& a, cudaStream_t stream);
+// Chunk prep, one CTA per (chunk, head).
+cudaError_t launch_fwd_prep(const PrepArgs& a, cudaStream_t stream);
+// Output walk, one CTA per (segment, head, 16 * warps value columns); warps in {2, 4, 8}.
+cudaError_t launch_fwd_walk_output(const WalkArgs& a, int warps, cudaStream_t stream);
+// Summary walk [M | E] from [I | 0], one CTA per (segment, head, 16 * warps of the 256 virtual columns).
+cudaError_t launch_fwd_walk_summary(const WalkArgs& a, int warps, cudaStream_t stream);
 
 }  // namespace kda

@@ -1,134 +1,117 @@
-// TVM-FFI entry points of the forward kernels. Checks first (they raise Python exceptions), then the
-// launch on the caller's current stream. Nothing is allocated here: Python hands in every buffer.
-#include <tvm/ffi/container/tensor.h>
-#include <tvm/ffi/error.h>
-#include <tvm/ffi/extra/c_env_api.h>
+// TVM-FFI entry points of the forward (kda_fwd.cu, kda_affine_merge.cuh). Checks first (they raise Python exceptions), then the
+// launch on the caller's current stream. Nothing is allocated here: Python hands in every buffer,
+// including the workspace of (chunk, head) records.
 #include <tvm/ffi/function.h>
 
+#include "kda_affine_merge.cuh"
+#include "kda_ffi_checks.h"
 #include "kda_fwd.h"
 
 namespace {
 
-using tvm::ffi::TensorView;
+using namespace kda::ffi_checks;
 
-constexpr int kD = 128;
-
-bool is_dtype(const TensorView& t, int code, int bits) {
-  return t.dtype().code == code && t.dtype().bits == bits && t.dtype().lanes == 1;
-}
-constexpr int kFloat = kDLFloat;
-constexpr int kBF16 = kDLBfloat;
-constexpr int kInt = kDLInt;
-
-void check_cuda(const TensorView& t, const char* name, int dev) {
-  TVM_FFI_CHECK(t.device().device_type == kDLCUDA, ValueError) << name << " must be a CUDA tensor";
-  TVM_FFI_CHECK(t.device().device_id == dev, ValueError) << name << " is on another device";
-  TVM_FFI_CHECK(t.IsContiguous(), ValueError) << name << " must be contiguous";
+void check_thd(const TensorView& t, const char* name, int64_t T, int64_t H, int code, int bits, int dev) {
+  check_cuda(t, name, dev);
+  TVM_FFI_CHECK(t.ndim() == 3 && t.size(0) == T && t.size(1) == H && t.size(2) == kD, ValueError)
+      << name << " must be [T, H, 128]";
+  TVM_FFI_CHECK(is_dtype(t, code, bits), TypeError)
+      << name << (code == kDLFloat ? " must be float32" : " must be bfloat16");
 }
 
-void check_inputs(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
-                  const TensorView& beta, const TensorView& segs) {
+void check_ws(const TensorView& ws, int64_t records, int dev) {
+  check_cuda(ws, "workspace", dev);
+  TVM_FFI_CHECK(is_dtype(ws, kDLUInt, 8) && ws.ndim() == 1, TypeError) << "workspace must be uint8 [n]";
+  TVM_FFI_CHECK(ws.size(0) >= records * kda::kFwdRecordBytes, ValueError)
+      << "workspace holds " << ws.size(0) << " bytes, needs " << records * kda::kFwdRecordBytes;
+}
+
+// Records of the chunks in `chunks` (rows (tok_start, nrows)) into ws, record index chunk * H + head.
+void fwd_prep(TensorView q, TensorView k, TensorView g, TensorView beta, TensorView chunks, TensorView ws,
+                 double scale) {
   const int dev = q.device().device_id;
-  check_cuda(q, "q", dev);
-  check_cuda(k, "k", dev);
-  check_cuda(v, "v", dev);
-  check_cuda(g, "g", dev);
-  check_cuda(beta, "beta", dev);
-  check_cuda(segs, "segment table", dev);
-  TVM_FFI_CHECK(q.ndim() == 3 && q.size(2) == kD, ValueError) << "q must be [T, H, 128]";
+  TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
   const int64_t T = q.size(0), H = q.size(1);
-  for (const TensorView* t : {&k, &v, &g}) {
-    TVM_FFI_CHECK(t->ndim() == 3 && t->size(0) == T && t->size(1) == H && t->size(2) == kD, ValueError)
-        << "k, v, g must be [T, H, 128] like q";
-  }
-  TVM_FFI_CHECK(beta.ndim() == 2 && beta.size(0) == T && beta.size(1) == H, ValueError) << "beta must be [T, H]";
-  TVM_FFI_CHECK(is_dtype(q, kBF16, 16) && is_dtype(k, kBF16, 16) && is_dtype(v, kBF16, 16), TypeError)
-      << "q, k, v must be bfloat16";
-  TVM_FFI_CHECK(is_dtype(g, kFloat, 32), TypeError) << "g must be float32";
-  TVM_FFI_CHECK(is_dtype(beta, kBF16, 16), TypeError) << "beta must be bfloat16";
-  TVM_FFI_CHECK(segs.ndim() == 2 && segs.size(1) == 4 && is_dtype(segs, kInt, 32), ValueError)
-      << "segment table must be int32 [n, 4]";
-  TVM_FFI_CHECK(H <= 65535 && segs.size(0) <= 2147483647, ValueError) << "too many heads or segments";
-}
-
-void check_state(const TensorView& s, const char* name, int64_t H, int dev) {
-  check_cuda(s, name, dev);
-  TVM_FFI_CHECK(is_dtype(s, kFloat, 32), TypeError) << name << " must be float32";
-  TVM_FFI_CHECK(s.ndim() == 4 && s.size(1) == H && s.size(2) == kD && s.size(3) == kD, ValueError)
-      << name << " must be [n, H, 128, 128]";
-}
-
-kda::ChunkArgs make_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
-                         const TensorView& beta, const TensorView& segs, double scale) {
-  kda::ChunkArgs a{};
+  check_thd(q, "q", T, H, kDLBfloat, 16, dev);
+  check_thd(k, "k", T, H, kDLBfloat, 16, dev);
+  check_thd(g, "g", T, H, kDLFloat, 32, dev);
+  check_cuda(beta, "beta", dev);
+  TVM_FFI_CHECK(beta.ndim() == 2 && beta.size(0) == T && beta.size(1) == H && is_dtype(beta, kDLBfloat, 16),
+                ValueError)
+      << "beta must be bfloat16 [T, H]";
+  check_table(chunks, "chunk table", 2, dev);
+  TVM_FFI_CHECK(H >= 1 && H <= 65535, ValueError) << "H must be in [1, 65535]";
+  check_ws(ws, chunks.size(0) * H, dev);
+  kda::PrepArgs a{};
   a.q = q.data_ptr();
   a.k = k.data_ptr();
-  a.v = v.data_ptr();
   a.g = static_cast<const float*>(g.data_ptr());
   a.beta = beta.data_ptr();
+  a.chunks = static_cast<const int32_t*>(chunks.data_ptr());
+  a.nchunk = static_cast<int>(chunks.size(0));
+  a.H = static_cast<int>(H);
+  a.scale = static_cast<float>(scale);
+  a.ws = ws.data_ptr();
+  raise_on(kda::launch_fwd_prep(a, stream_of(q)), "kda fwd_prep launch");
+}
+
+kda::WalkArgs walk_args(const TensorView& v, const TensorView& ws, const TensorView& chunks, const TensorView& segs) {
+  const int dev = v.device().device_id;
+  TVM_FFI_CHECK(v.ndim() == 3, ValueError) << "v must be [T, H, 128]";
+  check_thd(v, "v", v.size(0), v.size(1), kDLBfloat, 16, dev);
+  check_table(chunks, "chunk table", 2, dev);
+  check_table(segs, "segment table", 8, dev);
+  TVM_FFI_CHECK(segs.size(0) <= 65535 && v.size(1) <= 65535, ValueError) << "too many segments or heads";
+  check_ws(ws, chunks.size(0) * v.size(1), dev);
+  kda::WalkArgs a{};
+  a.v = v.data_ptr();
+  a.ws = ws.data_ptr();
+  a.chunks = static_cast<const int32_t*>(chunks.data_ptr());
   a.segs = static_cast<const int32_t*>(segs.data_ptr());
   a.nseg = static_cast<int>(segs.size(0));
-  a.H = static_cast<int>(q.size(1));
-  a.scale = static_cast<float>(scale);
+  a.H = static_cast<int>(v.size(1));
   return a;
 }
 
-cudaStream_t stream_of(const TensorView& t) {
-  return static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, t.device().device_id));
-}
-
-void raise_on(cudaError_t err, const char* what) {
-  TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << what << ": " << cudaGetErrorString(err);
-}
-
-// o = forward output; segs rows (tok_start, ntok, idx, kind); state_in [R,H,K,V] (numel 0 = none);
-// sin [slots,H,K,V] (numel 0 when no segment reads it).
-void fwd_output(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView segs,
-                TensorView state_in, TensorView sin, TensorView o, double scale) {
-  check_inputs(q, k, v, g, beta, segs);
-  const int dev = q.device().device_id;
-  const int64_t H = q.size(1);
-  check_cuda(o, "o", dev);
-  TVM_FFI_CHECK(is_dtype(o, kBF16, 16) && o.ndim() == 3 && o.size(0) == q.size(0) && o.size(1) == H &&
-                    o.size(2) == kD,
-                ValueError)
-      << "o must be bfloat16 [T, H, 128]";
-  kda::ChunkArgs a = make_args(q, k, v, g, beta, segs, scale);
+// o of the segments in segs (rows (tok_start, ntok, first chunk, idx, kind, chunks, ...)); chunks = the
+// chunk table the records of ws were made from; state_in [R,H,K,V] (numel 0 = none); sin [slots,H,K,V]
+// (numel 0 = none).
+void fwd_walk_output(TensorView v, TensorView ws, TensorView chunks, TensorView segs, TensorView state_in,
+                        TensorView sin, TensorView o, int64_t warps) {
+  kda::WalkArgs a = walk_args(v, ws, chunks, segs);
+  const int dev = v.device().device_id;
+  const int64_t H = v.size(1);
+  check_thd(o, "o", v.size(0), H, kDLBfloat, 16, dev);
+  a.state_in = optional_state(state_in, "state_in", H, dev);
+  a.sin = optional_state(sin, "segment states", H, dev);
   a.o = o.data_ptr();
-  if (state_in.numel() > 0) {
-    check_state(state_in, "state_in", H, dev);
-    a.state_in = static_cast<const float*>(state_in.data_ptr());
-  }
-  if (sin.numel() > 0) {
-    check_state(sin, "segment states", H, dev);
-    a.sin = static_cast<const float*>(sin.data_ptr());
-  }
-  raise_on(kda::launch_fwd_output(a, stream_of(q)), "kda fwd_output launch");
+  TVM_FFI_CHECK(warps == 2 || warps == 4 || warps == 8, ValueError) << "warps must be 2, 4 or 8";
+  raise_on(kda::launch_fwd_walk_output(a, static_cast<int>(warps), stream_of(v)), "kda fwd_walk_output launch");
 }
 
-// Summaries (M, E) of the segments in segs (rows (tok_start, ntok, out_index, 0)) from a zero state.
-void fwd_summary(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView segs,
-                 TensorView m_out, TensorView e_out, double scale) {
-  check_inputs(q, k, v, g, beta, segs);
-  const int dev = q.device().device_id;
-  const int64_t H = q.size(1);
-  check_state(m_out, "M", H, dev);
-  check_state(e_out, "E", H, dev);
+// Summaries (M, E) from a zero state of the segments in segs (idx = output slot).
+void fwd_walk_summary(TensorView v, TensorView ws, TensorView chunks, TensorView segs, TensorView m_out,
+                         TensorView e_out, int64_t warps) {
+  kda::WalkArgs a = walk_args(v, ws, chunks, segs);
+  const int dev = v.device().device_id;
+  const int64_t H = v.size(1);
+  check_state(m_out, "M", -1, H, dev);
+  check_state(e_out, "E", -1, H, dev);
   TVM_FFI_CHECK(m_out.size(0) == e_out.size(0), ValueError) << "M and E must have the same length";
-  kda::ChunkArgs a = make_args(q, k, v, g, beta, segs, scale);
   a.m_out = static_cast<float*>(m_out.data_ptr());
   a.e_out = static_cast<float*>(e_out.data_ptr());
-  raise_on(kda::launch_fwd_summary(a, stream_of(q)), "kda fwd_summary launch");
+  TVM_FFI_CHECK(warps == 2 || warps == 4 || warps == 8, ValueError) << "warps must be 2, 4 or 8";
+  raise_on(kda::launch_fwd_walk_summary(a, static_cast<int>(warps), stream_of(v)),
+           "kda fwd_walk_summary launch");
 }
 
 kda::MergeArgs merge_args(const TensorView& m, const TensorView& e, const TensorView& chains) {
   const int dev = m.device().device_id;
+  TVM_FFI_CHECK(m.ndim() == 4, ValueError) << "M must be [n, H, 128, 128]";
   const int64_t H = m.size(1);
-  check_state(m, "M", H, dev);
-  check_state(e, "E", H, dev);
-  check_cuda(chains, "chains", dev);
-  TVM_FFI_CHECK(chains.ndim() == 2 && chains.size(1) == 4 && is_dtype(chains, kInt, 32), ValueError)
-      << "chain table must be int32 [n, 4]";
+  check_state(m, "M", -1, H, dev);
+  check_state(e, "E", m.size(0), H, dev);
+  check_table(chains, "chain table", 4, dev);
   kda::MergeArgs a{};
   a.m = static_cast<const float*>(m.data_ptr());
   a.e = static_cast<const float*>(e.data_ptr());
@@ -138,16 +121,14 @@ kda::MergeArgs merge_args(const TensorView& m, const TensorView& e, const Tensor
   return a;
 }
 
-// S_in of each later segment: fold (M, E) along chains (first, count, init run or -1, out) into sin_out.
+// S_in of each later segment: fold (M, E) along chains (first, count, init run or -1, out) into sin_out,
+// from state_in (numel 0 = zero).
 void merge_fold(TensorView m, TensorView e, TensorView chains, TensorView state_in, TensorView sin_out) {
   kda::MergeArgs a = merge_args(m, e, chains);
   const int dev = m.device().device_id;
-  check_state(sin_out, "segment states", a.H, dev);
+  check_state(sin_out, "segment states", -1, a.H, dev);
   a.out0 = static_cast<float*>(sin_out.data_ptr());
-  if (state_in.numel() > 0) {
-    check_state(state_in, "state_in", a.H, dev);
-    a.state_in = static_cast<const float*>(state_in.data_ptr());
-  }
+  a.init = optional_state(state_in, "state_in", a.H, dev);
   raise_on(kda::launch_merge_fold(a, stream_of(m)), "kda merge_fold launch");
 }
 
@@ -155,16 +136,20 @@ void merge_fold(TensorView m, TensorView e, TensorView chains, TensorView state_
 void merge_compose(TensorView m, TensorView e, TensorView chains, TensorView m_out, TensorView e_out) {
   kda::MergeArgs a = merge_args(m, e, chains);
   const int dev = m.device().device_id;
-  check_state(m_out, "M_out", a.H, dev);
-  check_state(e_out, "E_out", a.H, dev);
+  check_state(m_out, "M_out", -1, a.H, dev);
+  check_state(e_out, "E_out", m_out.size(0), a.H, dev);
   a.out0 = static_cast<float*>(m_out.data_ptr());
   a.out1 = static_cast<float*>(e_out.data_ptr());
   raise_on(kda::launch_merge_compose(a, stream_of(m)), "kda merge_compose launch");
 }
 
+int64_t fwd_record_bytes() { return kda::kFwdRecordBytes; }
+
 }  // namespace
 
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_output, fwd_output);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_summary, fwd_summary);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_prep, fwd_prep);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_walk_output, fwd_walk_output);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_walk_summary, fwd_walk_summary);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_fold, merge_fold);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_compose, merge_compose);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_record_bytes, fwd_record_bytes);

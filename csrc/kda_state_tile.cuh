@@ -1,9 +1,9 @@
-// The walks' state tile, shared by the staged forward walk (kda_fwd_staged.cu) and the backward walks
+// The walks' state tile, shared by the forward walk (kda_fwd.cu) and the backward walks
 // (kda_bwd.cu): each warp holds 16 columns of a 128x128 state transposed, ST[nt][e] = S[d][v] with
 // v = vcol + g4 + 8 (e >> 1), d = 8 nt + 2 l4 + (e & 1) (g4 = lane / 4, l4 = lane % 4): the mma
 // accumulator layout of sixteen m16n8 tiles, so S^T is a ready A operand and a ready accumulator.
 // The helpers take g4, l4 from the caller: recomputing them inside reorders the generated code.
-// (The staged walk keeps its own load / store loops for the same reason: written through these helpers
+// (The forward walk keeps its own load / store loops for the same reason: written through these helpers
 // its PTX changes.)
 #pragma once
 

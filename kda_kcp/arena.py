@@ -3,7 +3,7 @@
 An ``Arena`` hands out tensors from a byte buffer in order (each start aligned to 256 bytes); ``mark`` and
 ``release`` free everything carved after a mark, so a stage's scratch is reused by the next stage. Without
 a buffer it falls back to ``torch.empty`` (a call without a workspace). The byte counts of the CUDA
-backend (``kda_kcp.cuda.staged``, ``kda_kcp.cuda.backward``) use ``aligned`` on the same sequence of
+backend (``kda_kcp.cuda.forward``, ``kda_kcp.cuda.backward``) use ``aligned`` on the same sequence of
 carves, which is what makes ``kda_workspace_bytes_kcp`` exact.
 """
 

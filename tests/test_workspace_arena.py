@@ -16,7 +16,7 @@ import kda_kcp
 import kda_kcp.backend
 import kda_kcp.function as function
 from kda_kcp.arena import Arena, aligned
-from kda_kcp.cuda import CudaBackend, backward, staged
+from kda_kcp.cuda import CudaBackend, backward, forward
 from kda_kcp.workspace import exchange_elements
 from helpers import offsets, run_distributed
 
@@ -37,14 +37,14 @@ class _Recorded(Arena):
 
 
 def _fake_cuda(monkeypatch):
-    backend = CudaBackend(True, forward="staged")
+    backend = CudaBackend(True)
     monkeypatch.setattr(function, "select_backend", lambda device, det: backend)
     monkeypatch.setattr(kda_kcp.backend, "select_backend", lambda device, det: backend)
     monkeypatch.setattr(function, "check_inputs", lambda *a: None)
     monkeypatch.setattr(function, "Arena", _Recorded)
-    monkeypatch.setattr(staged, "check_tensors", lambda *a: None)
+    monkeypatch.setattr(forward, "check_tensors", lambda *a: None)
     monkeypatch.setattr(backward, "check_tensors", lambda *a: None)
-    monkeypatch.setattr(staged, "_modules", lambda device: (_NoKernels(), _NoKernels()))
+    monkeypatch.setattr(forward, "load", lambda device: _NoKernels())
     monkeypatch.setattr(backward, "load", lambda device: _NoKernels())
     monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "3")  # segmented forward walks on these small runs
     monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")  # and segmented backward walks

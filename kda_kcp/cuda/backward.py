@@ -25,10 +25,15 @@ from ..arena import Arena, tensor_bytes
 from .common import _D, _c, check_tensors
 
 __all__ = ["bwd_grads", "bwd_summaries", "bwd_grads_arena_bytes", "bwd_summaries_arena_bytes", "saved_bytes",
-           "PREP_BYTES", "load"]
+           "PREP_BYTES", "ENTRY_POINTS", "load"]
 
 PREP_BYTES = 131584  # one prep record per (chunk, head); kda_bwd.h kPrepBytes
 STATE_BYTES = _D * _D * 4
+
+# the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
+ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "bwd_rev_summary", "bwd_fold",
+                "bwd_grads")
+
 
 def load(device=None):
     """The tvm_ffi module of kda_bwd (build.json) for the arch of ``device`` (kda_kcp.jit caches it)."""

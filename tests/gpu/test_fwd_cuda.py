@@ -1,6 +1,10 @@
-"""GPU tests of the CUDA forward (kda_kcp.cuda). Each skips, with its reason, without an sm_90+ GPU.
+"""GPU tests of the CUDA forward (kda_kcp.cuda.forward, csrc/kda_fwd.cu). Each skips, with its reason,
+without an sm_90a / sm_100a / sm_103a GPU.
 
-Inputs are drawn fresh each run (seed printed), never zeros; outputs are poisoned with NaN before each call.
+FP64 oracle on random packed batches (inputs drawn fresh each run, seed printed, outputs poisoned with
+NaN), bitwise repeat (3 calls, 2 processes), segmentations and KCP pieces, summaries and state_in against
+the torch backend, the prep records against their formulas, the JIT cache across processes. The walk
+widths KDA_KCP_FWD_WARPS = 2 and 8 are checked against the oracle too (H = 4, 16; default 4).
 """
 
 from __future__ import annotations
@@ -14,38 +18,41 @@ import textwrap
 import pytest
 import torch
 
-from kda_kcp.plan import LocalPlan, build_plan
-from kda_kcp.reference import naive_kda
-
 from gpu_common import DEV, fresh_seed, local_plan, make_inputs, random_docs, rel, require_kernel_gpu, run_fwd
 
 require_kernel_gpu("the CUDA forward tests")
 
 from kda_kcp.cuda import CudaBackend  # noqa: E402
+from kda_kcp.cuda.forward import forward_tables  # noqa: E402
+from kda_kcp.plan import LocalPlan, build_plan  # noqa: E402
+from kda_kcp.reference import naive_kda  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def fused_forward(monkeypatch):
-    """These tests cover the fused v3 forward (tests/gpu/test_fwd_staged.py covers the default, v4)."""
-    monkeypatch.setenv("KDA_KCP_FWD_KERNEL", "fused")
 
 SEED = fresh_seed("test_fwd_cuda")
 
 
-@pytest.mark.parametrize("H,total", [(1, 12000), (4, 12000), (16, 8000), (64, 4000)])
-def test_fwd_matches_fp64_oracle(H, total):
-    gen = torch.Generator().manual_seed(SEED + H)
-    cu = random_docs(total, gen)
-    inputs = make_inputs(cu[-1], H, gen, gate="mixed" if H != 4 else "uniform")
+_ORACLE: dict = {}
+
+
+@pytest.mark.parametrize("H,total,warps", [(1, 12000, "4"), (4, 12000, "4"), (16, 8000, "4"), (64, 4000, "4"),
+                                           (4, 12000, "2"), (4, 12000, "8"), (16, 8000, "2"), (16, 8000, "8")])
+def test_fwd_matches_fp64_oracle(H, total, warps, monkeypatch):
+    monkeypatch.setenv("KDA_KCP_FWD_WARPS", warps)
+    if (H, total) not in _ORACLE:  # one batch and one FP64 oracle per shape, shared by the walk widths
+        gen = torch.Generator().manual_seed(SEED + H)
+        cu = random_docs(total, gen)
+        inputs = make_inputs(cu[-1], H, gen, gate="mixed" if H != 4 else "uniform")
+        _ORACLE[(H, total)] = (cu, inputs, naive_kda(*inputs, cu, scale=128**-0.5))
+    cu, inputs, ref = _ORACLE[(H, total)]
     plan = local_plan(cu)
     scale = 128**-0.5
     o = run_fwd(CudaBackend(), inputs, scale, plan)
     torch.cuda.synchronize()
     assert torch.isfinite(o.float()).all(), "unwritten or non-finite output"
-    ref = naive_kda(*inputs, cu, scale=scale)
     err = rel(o, ref)
-    print(f"H={H} T={cu[-1]} docs={len(cu) - 1} o rel-RMS vs FP64 = {err:.3e}")
+    tabs = forward_tables(plan, H, DEV)
+    print(f"warps={warps} H={H} T={cu[-1]} docs={len(cu) - 1} segments={tabs.out.shape[0]} "
+          f"(L={tabs.seg_chunks}) o rel-RMS vs FP64 = {err:.3e}")
     assert err <= 4e-3
 
 
@@ -67,18 +74,17 @@ def test_segmentations_agree(monkeypatch):
     gen = torch.Generator().manual_seed(SEED + 11)
     cu = [0, 3000, 3001, 7000]
     inputs = make_inputs(7000, 4, gen, gate="mixed")
-    plan_args = cu
     outs = {}
     for n in ("1", "3", "100000"):
         monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", n)
-        outs[n] = run_fwd(CudaBackend(), inputs, 128**-0.5, local_plan(plan_args))
+        outs[n] = run_fwd(CudaBackend(), inputs, 128**-0.5, local_plan(cu))
     for n in ("1", "3"):
         d = rel(outs[n], outs["100000"])
         print(f"segments of {n} chunk(s) vs unsplit: {d:.2e}")
         assert d <= 1e-3
 
 
-def test_bitwise_repeat_and_two_processes(tmp_path):
+def test_bitwise_repeat_and_two_processes():
     gen = torch.Generator().manual_seed(1234)
     cu = [0, 5000, 5001, 9000]
     inputs = make_inputs(9000, 4, gen)
@@ -106,7 +112,7 @@ def test_bitwise_repeat_and_two_processes(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == digest
 
 
-def _fold(M, E, sources, H):
+def _fold(sources, H):
     S = torch.zeros(H, 128, 128, dtype=torch.float64, device=DEV)
     for m, e in sources:
         S = m.double() @ S + e.double()
@@ -116,45 +122,37 @@ def _fold(M, E, sources, H):
 @pytest.mark.parametrize("gate", ["uniform", "mixed"])
 @pytest.mark.parametrize("W", [2, 3])
 def test_kcp_pieces_on_one_gpu(W, gate):
-    """Split the batch into W contiguous pieces, publish summaries, fold, re-run: o matches unsplit.
-
-    Pieces move the chunk grid (chunks restart at every piece), so the two runs round differently; the
-    'mixed' gates (a quarter of the channels decaying by < 2 % per token) make that rounding visible."""
+    """Split into W contiguous pieces, publish summaries, fold, re-run: o matches the unsplit run."""
     gen = torch.Generator().manual_seed(SEED + 100 + W)
     cu = [0, 1500, 1501, 6000, 6100]
     T = cu[-1]
     H = 4
     inputs = make_inputs(T, H, gen, gate=gate)
     scale = 128**-0.5
-    be, tb = CudaBackend(), TorchBackend()
+    be = CudaBackend()
     ref = run_fwd(be, inputs, scale, local_plan(cu))
     bounds = [round(T * i / W) for i in range(W + 1)]
-    parts = [[(bounds[i], bounds[i + 1])] for i in range(W)]
-    kp = build_plan(cu, parts)
-    for name, backend in (("cuda", be), ("torch", tb)):
+    kp = build_plan(cu, [[(bounds[i], bounds[i + 1])] for i in range(W)])
+    for name, backend in (("cuda", be), ("torch", TorchBackend())):
         published = []
         for w in range(W):
             s, e = bounds[w], bounds[w + 1]
             loc = [x[s:e].contiguous() for x in inputs]
             plan = LocalPlan(e - s, kp.rank_runs[w])
-            M, E = backend.fwd_summaries(*loc, scale, plan, kp.fwd_publish[w])
-            published.append((M, E))
+            published.append(backend.fwd_summaries(*loc, scale, plan, kp.fwd_publish[w]))
         outs = []
         for w in range(W):
             s, e = bounds[w], bounds[w + 1]
             loc = [x[s:e].contiguous() for x in inputs]
             plan = LocalPlan(e - s, kp.rank_runs[w])
-            states = []
-            for srcs in kp.fwd_sources[w]:
-                states.append(_fold(None, None, [(published[r][0][i], published[r][1][i]) for r, i in srcs], H))
+            states = [_fold([(published[r][0][i], published[r][1][i]) for r, i in srcs], H)
+                      for srcs in kp.fwd_sources[w]]
             state_in = torch.stack(states) if states else None
-            if name == "cuda":
-                outs.append(run_fwd(backend, loc, scale, plan, state_in))
-            else:
-                outs.append(backend.fwd_output(*loc, scale, plan, state_in))
-        o = torch.cat(outs)
-        d = rel(o, ref)
-        print(f"W={W} gates={gate} {name} pieces vs unsplit cuda: {d:.2e}")
+            outs.append(run_fwd(backend, loc, scale, plan, state_in) if name == "cuda"
+                        else backend.fwd_output(*loc, scale, plan, state_in))
+        d = rel(torch.cat(outs), ref)
+        print(f"W={W} gates={gate} {name} pieces vs unsplit CUDA: {d:.2e}")
+        # pieces compute the unsplit run's chunks (document grid, kda_kcp/plan.py) except the cut ones
         assert d <= 1e-3 if name == "cuda" else d <= 4e-3
 
 
@@ -163,7 +161,7 @@ def test_summaries_match_torch_backend():
     cu = [0, 700, 701, 4000]
     inputs = make_inputs(4000, 4, gen, gate="mixed")
     plan = local_plan(cu)
-    runs = (0, 1, 2)
+    runs = tuple(range(plan.num_runs))
     M, E = CudaBackend().fwd_summaries(*inputs, 128**-0.5, plan, runs)
     Mt, Et = TorchBackend().fwd_summaries(*inputs, 128**-0.5, plan, runs)
     em, ee = rel(M, Mt.float()), rel(E, Et.float())
@@ -186,7 +184,66 @@ def test_state_in_matches_torch_backend():
     assert d <= 4e-3
 
 
+def _emulation():
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_fwd_emulation as emu
+
+    return emu
+
+
+def test_prep_records_match_formulas():
+    """The prep kernel's records, decoded from their byte layout, against the FP32 formulas (localises a
+    failure of the end-to-end tests to the prep or the walk)."""
+    from kda_kcp.cuda import forward
+
+    emu = _emulation()
+    gen = torch.Generator().manual_seed(SEED + 400)
+    cu = [0, 1, 64, 64, 200, 333]
+    H = 2
+    inputs = make_inputs(cu[-1], H, gen)
+    plan = local_plan(cu)
+    tabs = forward.forward_tables(plan, H, DEV)
+    ws = torch.full((tabs.num_chunks * H * forward.RECORD_BYTES,), 255, dtype=torch.uint8, device=DEV)
+    mod = forward.load(DEV)
+    q, k, v, g, beta = inputs
+    mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, 128**-0.5)
+    torch.cuda.synchronize()
+    dec = emu.decode_records(ws, tabs.num_chunks, H)
+    ref = emu.records(*(x.float().cpu() for x in inputs), 128**-0.5, tabs.chunks.cpu())
+    for name in ("W", "Qg", "Kg", "Aqk", "Ab", "gam"):
+        assert torch.isfinite(dec[name]).all(), f"record part {name} not written (or not finite)"
+        err = rel(dec[name], ref[name])
+        print(f"prep record {name} vs FP32 formulas: {err:.2e}")
+        assert err <= 1e-2
+
+
+def test_walk_on_torch_records():
+    """The output walk fed with records encoded on the host from the FP32 formulas (no prep kernel)."""
+    from kda_kcp.cuda import forward
+
+    emu = _emulation()
+    gen = torch.Generator().manual_seed(SEED + 500)
+    cu = [0, 1, 64, 64, 200, 333]
+    H = 2
+    inputs = make_inputs(cu[-1], H, gen)
+    plan = local_plan(cu)
+    tabs = forward.forward_tables(plan, H, DEV)
+    rec = emu.records(*(x.float().cpu() for x in inputs), 128**-0.5, tabs.chunks.cpu())
+    ws = emu.encode_records(rec).to(DEV)
+    mod = forward.load(DEV)
+    none = torch.empty(0, device=DEV)
+    o = torch.full_like(inputs[0], float("nan"))
+    for warps in (2, 4, 8):
+        mod.fwd_walk_output(inputs[2], ws, tabs.chunks, tabs.out, none, none, o, warps)
+        torch.cuda.synchronize()
+        ref = TorchBackend().fwd_output(*inputs, 128**-0.5, plan)
+        err = rel(o, ref)
+        print(f"walk (warps={warps}) on host-encoded records vs torch backend: {err:.2e}")
+        assert torch.isfinite(o.float()).all() and err <= 4e-3
+
+
 def test_jit_second_process_does_not_rebuild(tmp_path):
+    """KDA_KCP_FORCE_JIT builds kda_fwd with nvcc into a fresh cache; a second process loads it unchanged."""
     env = dict(os.environ, KDA_KCP_FORCE_JIT="1", KDA_KCP_CACHE_DIR=str(tmp_path))
     code = (
         "import time, torch; t=time.time(); from kda_kcp.jit import load_program, program_path, arch_of_device; "

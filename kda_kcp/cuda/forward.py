@@ -1,15 +1,15 @@
-"""The staged CUDA forward (v4, csrc/kda_fwd_staged.cu): a parallel chunk prep, then V-tiled walks.
+"""The CUDA forward (csrc/kda_fwd.cu, "staged", v4 in NOTES.md): a parallel chunk prep, then V-tiled walks.
 
     fwd_prep      one CTA per (chunk, head): writes a 70,144-byte record (-W, Qg, Kg, Aqk, A diag(beta),
                   gamma) per (chunk, head) into a workspace
     walk_summary  one CTA per (segment, head, 16 NW of the 256 columns [M | E]): segment summaries from a
                   zero state (only for segments that are not the last of their run, or for fwd_summaries)
-    merge_fold    the v3 program's FP32 affine fold (S_in(j + 1) = M_j S_in(j) + E_j), fixed order
+    merge_fold    the FP32 affine fold (S_in(j + 1) = M_j S_in(j) + E_j), fixed order (csrc/kda_affine_merge.cuh)
     walk_output   one CTA per (segment, head, 16 NW value columns): o from each segment's S_in
 
 ``fwd_output`` and ``fwd_summaries`` keep the contract of ``kda_kcp.cuda.CudaBackend``. The segment length
-is a pure function of (run lengths, H, SM count) (``choose_segment_chunks_v4``), so results are bitwise
-repeatable on one GPU model. ``KDA_KCP_SEG_CHUNKS=n`` forces n chunks per segment, ``KDA_KCP_V4_WARPS``
+is a pure function of (run lengths, H, SM count) (``choose_segment_chunks``), so results are bitwise
+repeatable on one GPU model. ``KDA_KCP_SEG_CHUNKS=n`` forces n chunks per segment, ``KDA_KCP_FWD_WARPS``
 the warps per walk CTA (2, 4 or 8; default 4).
 """
 
@@ -24,8 +24,8 @@ import torch
 from ..arena import Arena, tensor_bytes
 from .common import _D, _c, check_tensors
 
-__all__ = ["load_staged", "fwd_output", "fwd_summaries", "fwd_output_arena_bytes", "fwd_summaries_arena_bytes",
-           "choose_segment_chunks_v4", "staged_tables", "RECORD_BYTES", "model_time"]
+__all__ = ["load", "fwd_output", "fwd_summaries", "fwd_output_arena_bytes", "fwd_summaries_arena_bytes",
+           "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS", "model_time"]
 
 CHUNK = 64
 RECORD_BYTES = 70144  # kda::kStagedRecordBytes
@@ -33,14 +33,14 @@ RECORD_BYTES = 70144  # kda::kStagedRecordBytes
 # ---- cost model of one walk step (one chunk of one CTA), in units of an output step at NW = 4 ----
 SUMMARY_STEP = 0.57  # [M | E] tiles: (256 + 296) / 2 mma per warp against 484 for an output step
 CTAS_PER_SM = 2  # walk CTAs resident per SM (smem ~85 KB at NW = 4, 205 registers)
-MERGE_STEP = 1.5  # one fold step (v3 merge kernel, 128 x 128 x 128 FP32) in output steps
+MERGE_STEP = 1.5  # one fold step (the FP32 merge kernel, 128 x 128 x 128) in output steps
 CTA_START = 1.0  # a CTA's first loads and state in/out, in output steps
 
 
 def _warps() -> int:
-    w = int(os.environ.get("KDA_KCP_V4_WARPS", "4") or 4)
+    w = int(os.environ.get("KDA_KCP_FWD_WARPS", "4") or 4)
     if w not in (2, 4, 8):
-        raise ValueError(f"KDA_KCP_V4_WARPS must be 2, 4 or 8, got {w}")
+        raise ValueError(f"KDA_KCP_FWD_WARPS must be 2, 4 or 8, got {w}")
     return w
 
 
@@ -73,7 +73,7 @@ def model_time(run_chunks: list[int], heads: int, sms: int, L: int, warps: int =
     return t + MERGE_STEP * steps
 
 
-def choose_segment_chunks_v4(run_chunks: list[int], heads: int, sms: int, warps: int = 4) -> int:
+def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int, warps: int = 4) -> int:
     """Chunks per segment minimising ``model_time`` (``KDA_KCP_SEG_CHUNKS=n`` forces n)."""
     forced = os.environ.get("KDA_KCP_SEG_CHUNKS", "").strip()
     if forced:
@@ -96,7 +96,7 @@ def choose_segment_chunks_v4(run_chunks: list[int], heads: int, sms: int, warps:
 
 
 @dataclass
-class StagedTables:
+class ForwardTables:
     chunks: torch.Tensor  # int32 [nchunk, 2]: tok_start, nrows (record index = chunk * H + head)
     out: torch.Tensor  # int32 [nseg, 8]: tok_start, ntok, first chunk, idx, kind (0: state_in[idx], 1: sin[idx]), chunks
     summary: torch.Tensor  # int32 [nsum, 8]: tok_start, ntok, first chunk, out slot, 0, chunks
@@ -126,7 +126,7 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def staged_tables(plan, heads: int, device, run_ids=None, sms: int | None = None) -> StagedTables:
+def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = None) -> ForwardTables:
     """Tables for fwd_output (run_ids None: every run) or for the whole-run summaries of ``run_ids``.
 
     Pure host arithmetic (cached per plan); ``sms`` overrides the device's SM count (CPU tests)."""
@@ -135,13 +135,13 @@ def staged_tables(plan, heads: int, device, run_ids=None, sms: int | None = None
     runs = plan.runs
     ids = tuple(int(r) for r in run_ids) if summaries_only else tuple(range(len(runs)))
     warps = _warps()
-    key = ("cuda_staged", ids, summaries_only, heads, str(device), sms, warps,
+    key = ("cuda_forward", ids, summaries_only, heads, str(device), sms, warps,
            os.environ.get("KDA_KCP_SEG_CHUNKS", ""))
     cache = plan._tables
     if key in cache:
         return cache[key]
     nsm = sms if sms is not None else _sm_count(device)
-    L = choose_segment_chunks_v4([runs[r].num_chunks(CHUNK) for r in ids], heads, nsm, warps)
+    L = choose_segment_chunks([runs[r].num_chunks(CHUNK) for r in ids], heads, nsm, warps)
     chunks, out, summ, chains = [], [], [], []
     nsin = 0
     for i, r in enumerate(ids):
@@ -173,22 +173,20 @@ def staged_tables(plan, heads: int, device, run_ids=None, sms: int | None = None
     def t(rows, cols):
         return torch.tensor(rows, dtype=torch.int32).reshape(-1, cols).to(device)
 
-    tabs = StagedTables(t(chunks, 2), t(out, 8), t(summ, 8), t(chains, 4), len(chunks), nsin, len(summ), L)
+    tabs = ForwardTables(t(chunks, 2), t(out, 8), t(summ, 8), t(chains, 4), len(chunks), nsin, len(summ), L)
     cache[key] = tabs
     return tabs
 
 
-def load_staged(device=None):
-    """The tvm_ffi module of kda_fwd_staged (build.json) for the arch of ``device``."""
+# the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
+ENTRY_POINTS = ("fwd_prep", "fwd_walk_summary", "fwd_walk_output", "merge_fold", "merge_compose", "fwd_record_bytes")
+
+
+def load(device=None):
+    """The tvm_ffi module of kda_fwd (build.json) for the arch of ``device`` (kda_kcp.jit caches it)."""
     from ..jit import load_program
 
-    return load_program("kda_fwd_staged", device)
-
-
-def _modules(device):
-    from ..jit import load_program
-
-    return load_staged(device), load_program("kda_fwd", device)
+    return load_program("kda_fwd", device)
 
 
 def _state_shape(n: int, H: int) -> tuple[int, int, int, int]:
@@ -198,7 +196,7 @@ def _state_shape(n: int, H: int) -> tuple[int, int, int, int]:
 def fwd_output_arena_bytes(plan, heads: int, device) -> int:
     """Arena bytes ``fwd_output`` carves (exact: the same carves, in order): records, then the segment
     summaries and the folded segment states."""
-    tabs = staged_tables(plan, heads, device)
+    tabs = forward_tables(plan, heads, device)
     if plan.num_tokens == 0 or plan.num_runs == 0 or tabs.num_chunks == 0:
         return 0
     n = tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
@@ -214,7 +212,7 @@ def fwd_summaries_arena_bytes(plan, heads: int, run_ids, device) -> int:
     n = 2 * tensor_bytes(_state_shape(len(run_ids), heads), torch.float32)
     if not run_ids:
         return n
-    tabs = staged_tables(plan, heads, device, run_ids=run_ids)
+    tabs = forward_tables(plan, heads, device, run_ids=run_ids)
     if tabs.num_summary > 0:
         n += tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
         n += 2 * tensor_bytes(_state_shape(tabs.num_summary, heads), torch.float32)
@@ -231,7 +229,7 @@ def fwd_output(q, k, v, g, beta, scale, plan, state_in=None, arena=None):
     arena = arena if arena is not None else Arena(None, dev)
     T, H, _ = q.shape
     o = torch.empty(T, H, _D, dtype=torch.bfloat16, device=dev)
-    tabs = staged_tables(plan, H, dev)
+    tabs = forward_tables(plan, H, dev)
     if T == 0 or plan.num_runs == 0 or tabs.num_chunks == 0:
         return o
     none = arena.empty((0,), torch.float32)  # an absent optional argument of a binding (0 bytes)
@@ -240,18 +238,18 @@ def fwd_output(q, k, v, g, beta, scale, plan, state_in=None, arena=None):
         sin_t = state_in.to(torch.float32).contiguous()  # a no-op for the states function.py hands in
         if tuple(sin_t.shape) != _state_shape(plan.num_runs, H):
             raise ValueError(f"state_in must be [{plan.num_runs}, {H}, {_D}, {_D}], got {tuple(state_in.shape)}")
-    mod, v3 = _modules(dev)
+    mod = load(dev)
     warps = _warps()
     ws = arena.empty((tabs.num_chunks * H * RECORD_BYTES,), torch.uint8)
-    mod.staged_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
+    mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
     seg_states = none
     if tabs.num_summary > 0:
         m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
         e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-        mod.staged_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
+        mod.fwd_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
         seg_states = arena.empty(_state_shape(tabs.num_sin, H), torch.float32)
-        v3.merge_fold(m, e, tabs.chains, sin_t, seg_states)
-    mod.staged_walk_output(v, ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
+        mod.merge_fold(m, e, tabs.chains, sin_t, seg_states)
+    mod.fwd_walk_output(v, ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
     return o
 
 
@@ -268,17 +266,17 @@ def fwd_summaries(q, k, v, g, beta, scale, plan, run_ids, arena=None):
     E = arena.empty(_state_shape(len(run_ids), H), torch.float32)
     if not run_ids:
         return M, E
-    tabs = staged_tables(plan, H, dev, run_ids=run_ids)
-    mod, v3 = _modules(dev)
+    tabs = forward_tables(plan, H, dev, run_ids=run_ids)
+    mod = load(dev)
     warps = _warps()
     if tabs.num_summary > 0:
         ws = arena.empty((tabs.num_chunks * H * RECORD_BYTES,), torch.uint8)
-        mod.staged_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
+        mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
         m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
         e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-        mod.staged_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
+        mod.fwd_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
     else:
         m = e = arena.empty(_state_shape(0, H), torch.float32)
     # empty runs: chains of count 0 give M = I, E = 0 (the compose kernel starts from [I | 0])
-    v3.merge_compose(m, e, tabs.chains, M, E)
+    mod.merge_compose(m, e, tabs.chains, M, E)
     return M, E

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""Forward timing, W = 1, on the DESIGN.md section 8 batch: v3 (kda_kcp.cuda.CudaBackend(forward="fused")), v4 (the staged
-forward, kda_kcp.cuda.staged, at each walk width asked for) and FLA 0.6.0 chunk_kda (safe_gate=True).
+"""Forward stage timing, W = 1, on the DESIGN.md section 8 batch: the CUDA forward (kda_kcp.cuda.forward) at
+each walk width and segment length asked for, and FLA 0.6.0 chunk_kda (safe_gate=True).
 
 Protocol as benchmarks/bench_fwd_w1.py: inputs without autograd; each timed iteration an L2 flush (512 MB
 write) and CUDA events around the call; one untimed call per arm, then `groups` groups visiting the arms
 in a palindromic order with `iters` timed iterations per visit; cell = median over groups of the group
-medians. Also the v4 stages alone (prep, summary walk + fold, output walk) and each arm's error vs the
+medians. Also the forward stages alone (prep, summary walk + fold, output walk) and each arm's error vs the
 FP64 oracle on a slice (first `slice` tokens of every document).
 
-`--model` prints the v4 cost model's predictions and needs no GPU.
+`--model` prints the forward's cost model predictions and needs no GPU.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DOCS = [42024, 57573, 73122, 88673]
 
-# ---- v4 cost model (NOTES.md, staged forward v4) ----
+# ---- the forward cost model (NOTES.md, staged forward v4) ----
 BW = 3.5e12  # B/s reached by streaming kernels (KINDS.md copy: ~4.3 TB/s)
 PREP_BYTES = 1026 + 1096  # per token-head: reads q, k, g, beta; writes the record
 WALK_DRAM_BYTES = 1096 + 256 + 256  # reads the record once (its V tiles hit L2), v; writes o
-PREP_CYCLES = 10_000  # per (chunk, head) CTA, per SM, with 2 CTAs resident (v3's prep phases ~20k cycles)
+PREP_CYCLES = 10_000  # per (chunk, head) CTA, per SM, with 2 CTAs resident
 STEP_US = 3.0  # one output-walk step (64 columns x 1 chunk) at 2 CTAs/SM: 8 warps x ~80 KB ldmatrix
 CLOCK = 1.83e9
 
@@ -42,10 +42,10 @@ def simulate(heads, L, sms=132, warps=4):
     pass, in output steps: a sharper estimate than the closed form the segment choice uses."""
     import heapq
 
-    from kda_kcp.cuda import staged
+    from kda_kcp.cuda import forward
 
     chunks = [math.ceil(n / 64) for n in DOCS]
-    slots = staged.CTAS_PER_SM * sms
+    slots = forward.CTAS_PER_SM * sms
     tiles = 128 // (16 * warps)
 
     def run(jobs):
@@ -59,18 +59,18 @@ def simulate(heads, L, sms=132, warps=4):
 
     out, summ, steps = [], [], 0
     for c in chunks:
-        parts = staged._split(c, max(1, math.ceil(c / L)))
-        out += [p + staged.CTA_START for p in parts] * heads * tiles
-        summ += [(p + staged.CTA_START) * staged.SUMMARY_STEP for p in parts[:-1]] * heads * 2 * tiles
+        parts = forward._split(c, max(1, math.ceil(c / L)))
+        out += [p + forward.CTA_START for p in parts] * heads * tiles
+        summ += [(p + forward.CTA_START) * forward.SUMMARY_STEP for p in parts[:-1]] * heads * 2 * tiles
         steps = max(steps, len(parts) - 1)
-    return run(summ) + staged.MERGE_STEP * steps + run(out)
+    return run(summ) + forward.MERGE_STEP * steps + run(out)
 
 
 def model(heads, sms=132, warps=4):
-    from kda_kcp.cuda.staged import choose_segment_chunks_v4
+    from kda_kcp.cuda.forward import choose_segment_chunks
 
     chunks = [math.ceil(n / 64) for n in DOCS]
-    L = choose_segment_chunks_v4(chunks, heads, sms, warps)
+    L = choose_segment_chunks(chunks, heads, sms, warps)
     steps = simulate(heads, L, sms, warps)
     th = sum(DOCS) * heads
     prep_mem = th * PREP_BYTES / BW * 1e3
@@ -116,10 +116,10 @@ def time_visit(fn, iters, buf):
 
 
 class WarpsEnv:
-    """KDA_KCP_V4_WARPS = w (and KDA_KCP_SEG_CHUNKS = seg when seg > 0) inside the block."""
+    """KDA_KCP_FWD_WARPS = w (and KDA_KCP_SEG_CHUNKS = seg when seg > 0) inside the block."""
 
     def __init__(self, w, seg=0):
-        self.vals = {"KDA_KCP_V4_WARPS": str(w) if w is not None else None,
+        self.vals = {"KDA_KCP_FWD_WARPS": str(w) if w is not None else None,
                      "KDA_KCP_SEG_CHUNKS": str(seg) if seg else None}
 
     def __enter__(self):
@@ -141,11 +141,10 @@ def main():
     ap.add_argument("--heads", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--warps", type=int, nargs="+", default=[4])
     ap.add_argument("--segs", type=int, nargs="+", default=[0],
-                    help="v4 segment lengths in chunks to time (0: the cost model's choice)")
+                    help="segment lengths in chunks to time (0: the cost model's choice)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--no-v3", action="store_true")
     ap.add_argument("--slice", type=int, default=1024)
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", action="store_true", help="print the cost model's predictions (no GPU)")
@@ -162,8 +161,7 @@ def main():
                   f"{m['total_ms']:.2f} | {f or '-'} | {f / m['total_ms'] if f else 0:.1f}x |")
         return
 
-    from kda_kcp.cuda import CudaBackend
-    from kda_kcp.cuda import staged
+    from kda_kcp.cuda import forward
     from kda_kcp.plan import LocalPlan, build_plan
     from kda_kcp.reference import naive_kda
 
@@ -186,11 +184,8 @@ def main():
             for seg in args.segs:
                 def f4(w=w, seg=seg):
                     with WarpsEnv(w, seg):
-                        return staged.fwd_output(q, k, v, g, beta, scale, plan)
+                        return forward.fwd_output(q, k, v, g, beta, scale, plan)
                 arms.append([f"v4_w{w}" + (f"_L{seg}" if seg else ""), f4, w])
-        if not args.no_v3:
-            be3 = CudaBackend(forward="fused")
-            arms.append(["v3", lambda: be3.fwd_output(q, k, v, g, beta, scale, plan), None])
         if fla_chunk is not None:
             cu_t = torch.tensor(cu, dtype=torch.long, device="cuda")
             cu_c = torch.tensor(cu, dtype=torch.long)
@@ -228,9 +223,9 @@ def main():
         if live and any(a[2] is not None for a in live):
             w = args.warps[0]
             with WarpsEnv(w):
-                tabs = staged.staged_tables(plan, H, q.device)
-                mod, v3m = staged._modules(q.device)
-                ws = torch.empty(tabs.num_chunks * H * staged.RECORD_BYTES, dtype=torch.uint8, device="cuda")
+                tabs = forward.forward_tables(plan, H, q.device)
+                mod = forward.load(q.device)
+                ws = torch.empty(tabs.num_chunks * H * forward.RECORD_BYTES, dtype=torch.uint8, device="cuda")
                 none = torch.empty(0, device="cuda")
                 m = torch.empty(max(tabs.num_summary, 1), H, 128, 128, device="cuda")
                 e = torch.empty_like(m)
@@ -238,17 +233,17 @@ def main():
                 o = torch.empty_like(q)
 
                 def prep():
-                    mod.staged_prep(q, k, g, beta, tabs.chunks, ws, scale)
+                    mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, scale)
 
                 def summ():
                     if tabs.num_summary:
-                        mod.staged_walk_summary(v, ws, tabs.chunks, tabs.summary, m[:tabs.num_summary],
+                        mod.fwd_walk_summary(v, ws, tabs.chunks, tabs.summary, m[:tabs.num_summary],
                                                 e[:tabs.num_summary], w)
-                        v3m.merge_fold(m[:tabs.num_summary], e[:tabs.num_summary], tabs.chains, none,
+                        mod.merge_fold(m[:tabs.num_summary], e[:tabs.num_summary], tabs.chains, none,
                                        sin[:tabs.num_sin])
 
                 def walk():
-                    mod.staged_walk_output(v, ws, tabs.chunks, tabs.out, none,
+                    mod.fwd_walk_output(v, ws, tabs.chunks, tabs.out, none,
                                            sin[:tabs.num_sin] if tabs.num_sin else none, o, w)
 
                 for nm, fn in (("prep", prep), ("summaries+fold", summ), ("output walk", walk)):
@@ -267,11 +262,9 @@ def main():
             if name == "fla":
                 o = fla_chunk(sq[None], sk[None], sv[None], sg[None], sb[None], scale=scale, safe_gate=True,
                               cu_seqlens=torch.tensor(sl_cu, device="cuda"), cu_seqlens_cpu=torch.tensor(sl_cu))[0][0]
-            elif name == "v3":
-                o = CudaBackend(forward="fused").fwd_output(sq, sk, sv, sg, sb, scale, sl_plan)
             else:
                 with WarpsEnv(w):
-                    o = staged.fwd_output(sq, sk, sv, sg, sb, scale, sl_plan)
+                    o = forward.fwd_output(sq, sk, sv, sg, sb, scale, sl_plan)
             res[name]["err"] = ((o.double() - ref).norm() / ref.norm()).item()
         for name, _, _ in arms:
             r = res[name]

@@ -1,9 +1,9 @@
-"""CPU emulation (torch, FP32) of the v4 staged forward's tiling: the (chunk, head) records, the V-tiled
-walks over the segment tables that ``kda_kcp.cuda.staged`` hands the kernels, the [M | E] summary tiles,
+"""CPU emulation (torch, FP32) of the CUDA forward's tiling: the (chunk, head) records, the V-tiled
+walks over the segment tables that ``kda_kcp.cuda.forward`` hands the kernels, the [M | E] summary tiles,
 the FP32 fold along the merge chains and the whole-run composition. Checked against the torch backend.
 
 It runs without a GPU (seconds): it tests the host logic and the algebra of the tiling, not the kernels'
-fragments or their bf16 rounding (tests/gpu/test_fwd_staged.py does that on the device).
+fragments or their bf16 rounding (tests/gpu/test_fwd_cuda.py does that on the device).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from kda_kcp.cuda.staged import CHUNK, choose_segment_chunks_v4, model_time, staged_tables
+from kda_kcp.cuda.forward import CHUNK, choose_segment_chunks, forward_tables, model_time
 from kda_kcp.partition import partition_kcp
 from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.torch_backend import TorchBackend
@@ -101,7 +101,7 @@ def emulate_summaries(rec, segs, nslots, H, tile=64):
 
 def emulate_fwd_output(q, k, v, g, beta, scale, plan, state_in=None, sms=132, tile=64):
     T, H, _ = q.shape
-    tabs = staged_tables(plan, H, "cpu", sms=sms)
+    tabs = forward_tables(plan, H, "cpu", sms=sms)
     rec = records(q, k, v, g, beta, scale, tabs.chunks)
     sin = torch.zeros(tabs.num_sin, H, D, D)
     if tabs.num_summary:
@@ -129,7 +129,7 @@ def emulate_fwd_output(q, k, v, g, beta, scale, plan, state_in=None, sms=132, ti
 
 def emulate_fwd_summaries(q, k, v, g, beta, scale, plan, run_ids, sms=132):
     H = q.shape[1]
-    tabs = staged_tables(plan, H, "cpu", run_ids=run_ids, sms=sms)
+    tabs = forward_tables(plan, H, "cpu", run_ids=run_ids, sms=sms)
     rec = records(q, k, v, g, beta, scale, tabs.chunks)
     M, E = emulate_summaries(rec, tabs.summary, tabs.num_summary, H)
     Mo = torch.zeros(len(run_ids), H, D, D)
@@ -201,15 +201,15 @@ def test_emulated_summaries_match_torch_backend(monkeypatch):
 def test_segment_choice_is_pure_and_covers_runs():
     doc_chunks = [math.ceil(n / CHUNK) for n in (42024, 57573, 73122, 88673)]
     for H in (4, 16, 64):
-        L = choose_segment_chunks_v4(doc_chunks, H, 132)
-        assert L == choose_segment_chunks_v4(doc_chunks, H, 132)
+        L = choose_segment_chunks(doc_chunks, H, 132)
+        assert L == choose_segment_chunks(doc_chunks, H, 132)
         t1 = model_time(doc_chunks, H, 132, max(doc_chunks))
         tL = model_time(doc_chunks, H, 132, L)
         print(f"H={H}: segment {L} chunks, model {tL:.0f} steps (unsegmented {t1:.0f})")
         assert tL <= t1
     cu = [0, 5000, 5000, 9000, 9001]
     plan = local_plan(cu)
-    tabs = staged_tables(plan, 4, "cpu", sms=8)
+    tabs = forward_tables(plan, 4, "cpu", sms=8)
     covered = sorted((r[0], r[1]) for r in tabs.out.tolist())
     tok = 0
     for t0, n in covered:
@@ -222,7 +222,7 @@ def test_segment_choice_is_pure_and_covers_runs():
         assert tabs.chunks[r[2]:r[2] + r[5], 1].sum().item() == r[1]
 
 
-# ---- the record's byte layout (kda_fwd_staged.h), for checking the prep kernel and feeding the walk ----
+# ---- the record's byte layout (kda_fwd.h), for checking the prep kernel and feeding the walk ----
 R_W, R_QG, R_KG, R_AQH, R_AQL, R_GAM, R_ABH, R_ABL, R_END = 0, 16384, 32768, 49152, 54272, 59392, 59904, 65024, 70144
 TRI_BLOCKS = [(I, J) for I in range(4) for J in range(I + 1)]  # block index I (I + 1) / 2 + J
 
@@ -305,7 +305,7 @@ def test_record_layout_roundtrip():
     gen = torch.Generator().manual_seed(7)
     cu = [0, 100, 230]
     q, k, v, g, beta = make_inputs(cu[-1], 2, gen)
-    tabs = staged_tables(local_plan(cu), 2, "cpu")
+    tabs = forward_tables(local_plan(cu), 2, "cpu")
     rec = records(q, k, v, g, beta, 128**-0.5, tabs.chunks)
     N = tabs.num_chunks
     dec = decode_records(encode_records(rec), N, 2)
