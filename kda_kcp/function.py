@@ -6,8 +6,8 @@ runs whose document started earlier, folded from the document end into each run'
 gradient, then the local gradients.
 
 The workspace of one call is [exchange scratch | arena]. The CUDA backend carves all of its scratch from
-the arena (kda_kcp.arena), phase after phase from the arena's base, so a call with a workspace allocates
-only its outputs (and, in the forward, the incoming states it saves for the backward). The torch backend
+the arena (kda_kcp.arena): first the call's chunk records (made once, read by the KCP summaries and by the
+local pass), then each phase from the same base, so a call with a workspace allocates only its outputs (and, in the forward, the incoming states it saves for the backward). The torch backend
 uses the exchange part only. ``local_arena_bytes`` mirrors the carves below, which makes
 ``kda_workspace_bytes_kcp`` exact.
 """
@@ -58,15 +58,21 @@ def local_arena_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128,
         return 0
     H, K, V = num_heads, head_dim, value_dim or head_dim
     plan, local = ctx.plan, ctx.local
-    fwd = backend.arena_bytes("fwd_output", local, H, device)
-    bwd = backend.arena_bytes("bwd_grads", local, H, device, passes=passes)
+
+    def part(name, ids=()):
+        return backend.arena_bytes(name, local, H, device, ids, passes)
+
+    fwd_local, bwd_local = part("fwd_output"), part("bwd_grads")
     if plan.needs_exchange:
         tmp = tensor_bytes((H, K, V), torch.float32)
         state = tensor_bytes((local.num_runs, H, K, V), torch.float32)
-        fsum = backend.arena_bytes("fwd_summaries", local, H, device, plan.fwd_publish[ctx.rank])
-        bsum = backend.arena_bytes("bwd_summaries", local, H, device, plan.bwd_publish[ctx.rank])
-        fwd = max(fsum, tmp, fwd)  # summaries, then the merge's product buffer, then the output
-        bwd = state + max(bsum, tmp, bwd)  # dstate_out lives under all three
+        # records; then the summaries, the merge's product and the local pass, each from the same base
+        fwd = part("fwd_records") + max(part("fwd_summaries", plan.fwd_publish[ctx.rank]), tmp, fwd_local)
+        # records, dstate_out (lives to the end); then the summaries, the merge's product, the gradients
+        bwd = part("bwd_records") + state + max(part("bwd_summaries", plan.bwd_publish[ctx.rank]), tmp, bwd_local)
+    else:
+        fwd = part("fwd_records") + fwd_local
+        bwd = part("bwd_records") + bwd_local
     return max(fwd, bwd)
 
 
@@ -134,14 +140,13 @@ def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, val
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     dt = _summary_dtype(backend, q, k, v, g, beta)
     xbuf, arena = _split_workspace(workspace, ctx, backend, H, K, V, dt, q.device)
+    prepared = backend.fwd_prepare(q, k, v, g, beta, scale, local, arena)  # the chunk records, once
     state_in = None
     if plan.needs_exchange:
         state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
-        _exchange_and_merge(
-            ctx, lambda ids: backend.fwd_summaries(q, k, v, g, beta, scale, local, ids, arena=arena),
-            plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q, v, dt, xbuf, arena, state_in,
-        )
-    o = backend.fwd_output(q, k, v, g, beta, scale, local, state_in, arena=arena)
+        _exchange_and_merge(ctx, prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q, v, dt,
+                            xbuf, arena, state_in)
+    o = prepared.output(state_in)
     return o, KdaSaved(q, k, v, g, beta, state_in, scale, deterministic)
 
 
@@ -159,20 +164,18 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     dt = _summary_dtype(backend, q, k, v, g, beta)
     xbuf, arena = _split_workspace(workspace, ctx, backend, H, K, V, dt, q.device)
+    passes = workspace.lean_passes if workspace is not None else None
+    prepared = backend.bwd_prepare(q, k, v, g, beta, do, saved.scale, local, arena, passes)  # records, once
     dstate_out = None
     if plan.needs_exchange:
-        # scratch that lives until the local gradients are done: the arena's first carve of this call
+        # scratch that lives until the local gradients are done
         if arena is not None:
             dstate_out = arena.empty((local.num_runs, H, K, V), dt)
         else:
             dstate_out = q.new_empty(local.num_runs, H, K, V, dtype=dt)
-        _exchange_and_merge(
-            ctx, lambda ids: backend.bwd_summaries(q, k, v, g, beta, do, saved.scale, local, ids, arena=arena),
-            plan.bwd_publish, plan.bwd_slots, plan.bwd_sources, q, v, dt, xbuf, arena, dstate_out,
-        )
-    passes = workspace.lean_passes if workspace is not None else None
-    grads = backend.bwd_grads(q, k, v, g, beta, do, saved.scale, local, saved.state_in, dstate_out, arena=arena,
-                              passes=passes)
+        _exchange_and_merge(ctx, prepared.summaries, plan.bwd_publish, plan.bwd_slots, plan.bwd_sources, q, v, dt,
+                            xbuf, arena, dstate_out)
+    grads = prepared.grads(saved.state_in, dstate_out)
     return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
 
 

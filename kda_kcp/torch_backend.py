@@ -65,14 +65,34 @@ def _chunk_set(plan: LocalPlan, run_ids, device) -> _ChunkSet:
     return cache[key]
 
 
+class _Prepared:
+    """The torch backend's side of a prepared call: its stages recompute what they need."""
+
+    def __init__(self, summaries, local):
+        self.summaries = summaries
+        self.output = self.grads = local
+
+
 class TorchBackend:
     """The reference stages in torch (any device, FP32 or FP64). Its scratch is torch's own: the ``arena``
     arguments are accepted for the common interface and not used (``arena_bytes`` is 0)."""
 
     name = "torch"
 
-    def arena_bytes(self, op: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
+    def arena_bytes(self, part: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
         return 0
+
+    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None):
+        return _Prepared(
+            lambda ids: self.fwd_summaries(q, k, v, g, beta, scale, plan, ids),
+            lambda state_in: self.fwd_output(q, k, v, g, beta, scale, plan, state_in),
+        )
+
+    def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None):
+        return _Prepared(
+            lambda ids: self.bwd_summaries(q, k, v, g, beta, do, scale, plan, ids),
+            lambda state_in, dstate_out: self.bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out),
+        )
 
     def _inputs(self, cs: _ChunkSet, q, k, v, g, beta):
         dt = compute_dtype(q, k, v, g, beta)

@@ -35,19 +35,32 @@ class CudaBackend:
         backward.load(device)
         self._loaded.add(key)
 
-    def arena_bytes(self, op: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
-        """Arena bytes one call of ``op`` (fwd_output, fwd_summaries, bwd_grads, bwd_summaries) carves;
-        ``passes``: the lean backward's pass count (None: replay)."""
-        if op == "fwd_output":
-            return forward.fwd_output_arena_bytes(plan, num_heads, device)
-        if op == "fwd_summaries":
-            return forward.fwd_summaries_arena_bytes(plan, num_heads, run_ids, device)
-        if op == "bwd_grads":
-            return backward.bwd_grads_arena_bytes(plan, num_heads, device, passes)
-        if op == "bwd_summaries":
-            return backward.bwd_summaries_arena_bytes(plan, num_heads, run_ids)
-        raise ValueError(f"unknown op {op!r}")
+    # one call, prepared once: the chunk records serve the KCP summaries and the local pass
+    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None) -> forward.PreparedForward:
+        return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena)
 
+    def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None) -> backward.PreparedBackward:
+        return backward.PreparedBackward(q, k, v, g, beta, do, scale, plan, arena, passes)
+
+    def arena_bytes(self, part: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
+        """Arena bytes one part of a prepared call carves: "fwd_records" (made by fwd_prepare), then
+        "fwd_summaries" or "fwd_output"; "bwd_records" (made by bwd_prepare), then "bwd_summaries" or
+        "bwd_grads". ``passes``: the lean backward's pass count (None: replay)."""
+        if part == "fwd_records":
+            return forward.records_arena_bytes(plan, num_heads, device)
+        if part == "fwd_output":
+            return forward.output_arena_bytes(plan, num_heads, device)
+        if part == "fwd_summaries":
+            return forward.summaries_arena_bytes(plan, num_heads, run_ids, device)
+        if part == "bwd_records":
+            return backward.records_arena_bytes(plan, num_heads, passes)
+        if part == "bwd_grads":
+            return backward.grads_arena_bytes(plan, num_heads, device, passes)
+        if part == "bwd_summaries":
+            return backward.summaries_arena_bytes(plan, num_heads, run_ids, passes)
+        raise ValueError(f"unknown part {part!r}")
+
+    # single stages (tests, the torch backend's interface)
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None, arena=None):
         return forward.fwd_output(q, k, v, g, beta, scale, plan, state_in, arena)
 

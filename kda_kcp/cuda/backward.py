@@ -24,8 +24,8 @@ import torch
 from ..arena import Arena, tensor_bytes
 from .common import _D, _c, check_tensors
 
-__all__ = ["bwd_grads", "bwd_summaries", "bwd_grads_arena_bytes", "bwd_summaries_arena_bytes", "saved_bytes",
-           "PREP_BYTES", "ENTRY_POINTS", "load"]
+__all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
+           "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load"]
 
 PREP_BYTES = 131584  # one prep record per (chunk, head); kda_bwd.h kPrepBytes
 STATE_BYTES = _D * _D * 4
@@ -209,18 +209,25 @@ def _lean_passes(plan, heads: int, device, passes: int) -> list[LeanPass]:
     return out
 
 
-def _summary_tables(plan, run_ids, device):
-    key = ("cuda_bwd_summary_tables", tuple(run_ids), str(torch.device(device)))
+def _summary_tables(plan, run_ids, device, own_chunks: bool):
+    """(chunk table, rows (first chunk, chunks, out index, 0)) of the whole-run backward summaries of
+    ``run_ids``. own_chunks False: rows index the plan's chunk table (the replay records cover it);
+    True: a table of just these runs' chunks (the lean backward preps them apart). Cached."""
+    key = ("cuda_bwd_summary_tables", tuple(run_ids), str(torch.device(device)), own_chunks)
     cache = plan._tables
     if key not in cache:
         C = plan.chunk_size
         chunks, runs = [], []
+        firsts = [0]
+        for run in plan.runs:
+            firsts.append(firsts[-1] + run.num_chunks(C))
         for i, r in enumerate(run_ids):
             run = plan.runs[r]
             bounds = run.chunk_offsets(C)
-            runs.append((len(chunks), len(bounds), i, 0))
-            chunks += [(run.local_start + off, n) for off, n in bounds]
-        ct = torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2).to(device)
+            runs.append((len(chunks) if own_chunks else firsts[r], len(bounds), i, 0))
+            if own_chunks:
+                chunks += [(run.local_start + off, n) for off, n in bounds]
+        ct = torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2).to(device) if own_chunks else _tables(plan, device)[0]
         rt = torch.tensor(runs, dtype=torch.int32).reshape(-1, 4).to(device)
         cache[key] = (ct, rt)
     return cache[key]
@@ -230,19 +237,30 @@ def _states(n: int, H: int) -> int:
     return tensor_bytes((n, H, _D, _D), torch.float32)
 
 
-def bwd_grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -> int:
-    """Arena bytes ``bwd_grads`` carves (exact: the same carves, in order). Replay (passes None): prep
-    records, h and dh of every chunk, then the segment summaries and folds. Lean (passes 1..8): the prep
+def _num_chunks(plan) -> int:
+    return sum(r.num_chunks(plan.chunk_size) for r in plan.runs)
+
+
+def records_arena_bytes(plan, num_heads: int, passes: int | None = None) -> int:
+    """Arena bytes of a ``PreparedBackward``'s records: every chunk's prep record (replay), none (lean)."""
+    if plan.num_tokens == 0 or plan.num_runs == 0 or passes is not None:
+        return 0
+    return tensor_bytes((_num_chunks(plan) * num_heads * PREP_BYTES,), torch.uint8)
+
+
+def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -> int:
+    """Arena bytes ``PreparedBackward.grads`` carves after the records (exact: the same carves, in
+    order). Replay: h and dh of every chunk, then the segment summaries and folds. Lean: the prep
     records, h and dh of the largest pass, then the summaries and folds."""
     if plan.num_tokens == 0 or plan.num_runs == 0:
         return 0
     H = num_heads
     st = _seg_tables(plan, H, device)
     if passes is None:
-        nc = sum(r.num_chunks(plan.chunk_size) for r in plan.runs)
+        n = 2 * _states(_num_chunks(plan), H)
     else:
         nc = max((p.num_chunks for p in _lean_passes(plan, H, device, passes)), default=0)
-    n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + 2 * _states(nc, H)
+        n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + 2 * _states(nc, H)
     if st.num_sum_f:  # summaries M, E and their fold
         n += 2 * _states(st.num_sum_f, H) + _states(st.num_fold_f, H)
     if st.num_sum_r:
@@ -250,11 +268,12 @@ def bwd_grads_arena_bytes(plan, num_heads: int, device, passes: int | None = Non
     return n
 
 
-def bwd_summaries_arena_bytes(plan, num_heads: int, run_ids) -> int:
-    """Arena bytes ``bwd_summaries`` carves, its results (Mt, F) included."""
+def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = None) -> int:
+    """Arena bytes ``PreparedBackward.summaries`` carves after the records, its results (Mt, F) included
+    (lean: also the listed runs' prep records)."""
     run_ids = tuple(int(r) for r in run_ids)
     n = 2 * _states(len(run_ids), num_heads)
-    if run_ids:
+    if run_ids and passes is not None:
         nc = sum(plan.runs[r].num_chunks(plan.chunk_size) for r in run_ids)
         n += tensor_bytes((nc * num_heads * PREP_BYTES,), torch.uint8)
     return n
@@ -278,82 +297,88 @@ def _state(x, n, H, none, name):
     return x
 
 
-def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, deterministic=True, timing=None,
-              arena=None, passes=None):
-    """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan``. Scratch comes from ``arena``
-    (``kda_kcp.arena.Arena``; None: allocated). ``passes`` (1..8) runs the lean backward: the chunks in
-    passes of whole segments on per-pass buffers (the prep recomputed once when segments are summarized),
-    bitwise equal to the default (replay) backward.
+class PreparedBackward:
+    """One backward call: with the replay arena (``passes`` None) every chunk's prep record is made once
+    and read by the backward summaries of the runs a rank publishes (KCP) and by the local gradients; the
+    lean backward (``passes`` 1..8) preps per pass instead. Scratch comes from ``arena``
+    (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve."""
 
-    ``timing``: a dict to receive the milliseconds of each stage (CUDA events; synchronizes; benchmarks only)."""
-    check_tensors("CUDA backward", q, k, v, g, beta, do)
-    q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
-    dev = q.device
-    arena = arena if arena is not None else Arena(None, dev)
-    T, H, _ = q.shape
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    dg = torch.empty_like(g)
-    dbeta = torch.empty_like(beta)
-    if T == 0 or plan.num_runs == 0:
-        return dq, dk, dv, dg, dbeta
-    mod = load(dev)
-    chunks, _ = _tables(plan, dev)
-    nc = chunks.shape[0]
-    R = plan.num_runs
-    e0 = arena.empty((0,), torch.float32)  # an absent optional argument of a binding (0 bytes)
-    sin = _state(state_in, R, H, e0, "state_in")
-    dso = _state(dstate_out, R, H, e0, "dstate_out")
-    if passes is not None:
-        _bwd_grads_lean(mod, q, k, v, g, beta, do, float(scale), plan, sin, dso, e0, arena, passes,
-                        (dq, dk, dv, dg, dbeta))
-        return dq, dk, dv, dg, dbeta
-    prep = arena.empty((nc * H * PREP_BYTES,), torch.uint8)
-    h = arena.empty((nc, H, _D, _D), torch.float32)
-    dh = arena.empty((nc, H, _D, _D), torch.float32)
-    events = []
+    def __init__(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None):
+        check_tensors("CUDA backward", q, k, v, g, beta, do)
+        self.q, self.k, self.v, self.g, self.beta, self.do = (_c(x) for x in (q, k, v, g, beta, do))
+        self.scale, self.plan, self.passes = float(scale), plan, passes
+        self.dev = self.q.device
+        self.H = self.q.shape[1]
+        self.arena = arena if arena is not None else Arena(None, self.dev)
+        self.active = self.q.shape[0] > 0 and plan.num_runs > 0
+        self.mod = load(self.dev) if self.active else None
+        self.e0 = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
+        self.prep = None
+        if self.active and passes is None:
+            chunks, _ = _tables(plan, self.dev)
+            self.prep = self.arena.empty((chunks.shape[0] * self.H * PREP_BYTES,), torch.uint8)
+            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, self.prep, self.scale)
 
-    def mark(name):
-        if timing is not None:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            events.append((name, ev))
+    def summaries(self, run_ids):
+        """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F."""
+        H, arena = self.H, self.arena
+        run_ids = tuple(int(r) for r in run_ids)
+        Mt = arena.empty((len(run_ids), H, _D, _D), torch.float32)
+        F = arena.empty((len(run_ids), H, _D, _D), torch.float32)
+        if not run_ids:
+            return Mt, F
+        chunks, rows = _summary_tables(self.plan, run_ids, self.dev, own_chunks=self.prep is None)
+        prep = self.prep
+        if prep is None:  # lean: these runs' records apart
+            prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
+            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale)
+        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F)
+        return Mt, F
 
-    mark("start")
-    mod.bwd_prep(q, k, v, g, beta, chunks, prep, float(scale))
-    mark("prep")
-    st = _seg_tables(plan, H, dev)
-    ffold, rfold = e0, e0
-    if st.num_sum_f:
-        m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
-        e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
-        mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
-        ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
-        mod.bwd_fold(m, e, st.fchains, sin, ffold, False)
-        del m, e
-    mark("fwd_summaries")
-    mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
-    mark("fwd_walk")
-    if st.num_sum_r:
-        mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
-        f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
-        mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
-        rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
-        mod.bwd_fold(mt, f, st.rchains, dso, rfold, True)
-        del mt, f
-    mark("rev_summaries")
-    mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
-    mark("rev_walk")
-    mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, float(scale))
-    mark("grads")
-    if timing is not None:
-        torch.cuda.synchronize(dev)
-        for (_, a), (name, b) in zip(events[:-1], events[1:]):
-            timing[name] = a.elapsed_time(b)
-        timing["total"] = events[0][1].elapsed_time(events[-1][1])
-        timing["seg_chunks"] = st.seg_chunks
-    return dq, dk, dv, dg, dbeta
+    def grads(self, state_in=None, dstate_out=None):
+        """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run, from each run's incoming state and
+        the gradient of its outgoing state (None: zero)."""
+        q, k, v, g, beta, do = self.q, self.k, self.v, self.g, self.beta, self.do
+        grads = tuple(torch.empty_like(x) for x in (q, k, v, g, beta))
+        if not self.active:
+            return grads
+        H, R, arena, mod, e0 = self.H, self.plan.num_runs, self.arena, self.mod, self.e0
+        sin = _state(state_in, R, H, e0, "state_in")
+        dso = _state(dstate_out, R, H, e0, "dstate_out")
+        if self.passes is not None:
+            _bwd_grads_lean(mod, q, k, v, g, beta, do, self.scale, self.plan, sin, dso, e0, arena, self.passes,
+                            grads)
+            return grads
+        dq, dk, dv, dg, dbeta = grads
+        chunks, _ = _tables(self.plan, self.dev)
+        nc, prep = chunks.shape[0], self.prep
+        h = arena.empty((nc, H, _D, _D), torch.float32)
+        dh = arena.empty((nc, H, _D, _D), torch.float32)
+        st = _seg_tables(self.plan, H, self.dev)
+        ffold, rfold = e0, e0
+        if st.num_sum_f:
+            m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
+            e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
+            mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
+            ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
+            mod.bwd_fold(m, e, st.fchains, sin, ffold, False)
+        mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
+        if st.num_sum_r:
+            mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
+            f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
+            mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
+            rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
+            mod.bwd_fold(mt, f, st.rchains, dso, rfold, True)
+        mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
+        mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale)
+        return grads
+
+
+def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, deterministic=True, arena=None,
+              passes=None):
+    """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run of ``plan`` (``CudaBackend.bwd_grads``).
+    ``passes`` (1..8) runs the lean backward, bitwise equal to the default (replay) one."""
+    return PreparedBackward(q, k, v, g, beta, do, scale, plan, arena, passes).grads(state_in, dstate_out)
 
 
 def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena, passes, grads):
@@ -405,21 +430,5 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
 
 
 def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids, arena=None):
-    """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F.
-    Mt, F and the scratch come from ``arena`` (None: allocated); Mt and F live until the caller releases."""
-    check_tensors("CUDA backward", q, k, v, g, beta, do)
-    q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
-    dev = q.device
-    arena = arena if arena is not None else Arena(None, dev)
-    H = q.shape[1]
-    run_ids = tuple(int(r) for r in run_ids)
-    Mt = arena.empty((len(run_ids), H, _D, _D), torch.float32)
-    F = arena.empty((len(run_ids), H, _D, _D), torch.float32)
-    if not run_ids:
-        return Mt, F
-    mod = load(dev)
-    chunks, runs = _summary_tables(plan, run_ids, dev)
-    prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
-    mod.bwd_prep(q, k, v, g, beta, chunks, prep, float(scale))
-    mod.bwd_rev_summary(do, prep, chunks, runs, Mt, F)
-    return Mt, F
+    """(Mt, F) fp32 of the listed runs: dS_in = Mt dS_out + F (``CudaBackend.bwd_summaries``)."""
+    return PreparedBackward(q, k, v, g, beta, do, scale, plan, arena).summaries(run_ids)

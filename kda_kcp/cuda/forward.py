@@ -24,8 +24,9 @@ import torch
 from ..arena import Arena, tensor_bytes
 from .common import _D, _c, check_tensors
 
-__all__ = ["load", "fwd_output", "fwd_summaries", "fwd_output_arena_bytes", "fwd_summaries_arena_bytes",
-           "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS", "model_time"]
+__all__ = ["load", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
+           "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
+           "model_time"]
 
 CHUNK = 64
 RECORD_BYTES = 70144  # kda::kStagedRecordBytes
@@ -126,8 +127,22 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _chunk_table(plan, device):
+    """(int32 [Nc, 2] (tok_start, rows) of every chunk of the plan, each run's first chunk index), cached."""
+    key = ("cuda_forward_chunks", str(device))
+    cache = plan._tables
+    if key not in cache:
+        rows, firsts = [], []
+        for run in plan.runs:
+            firsts.append(len(rows))
+            rows += [(run.local_start + off, n) for off, n in run.chunk_offsets(CHUNK)]
+        cache[key] = (torch.tensor(rows, dtype=torch.int32).reshape(-1, 2).to(device), tuple(firsts), len(rows))
+    return cache[key]
+
+
 def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = None) -> ForwardTables:
-    """Tables for fwd_output (run_ids None: every run) or for the whole-run summaries of ``run_ids``.
+    """Tables for the output walk (run_ids None: every run) or for the whole-run summaries of ``run_ids``.
+    Both index one chunk table, every chunk of the plan, so one prep's records serve both.
 
     Pure host arithmetic (cached per plan); ``sms`` overrides the device's SM count (CPU tests)."""
     device = torch.device(device)
@@ -142,13 +157,12 @@ def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = Non
         return cache[key]
     nsm = sms if sms is not None else _sm_count(device)
     L = choose_segment_chunks([runs[r].num_chunks(CHUNK) for r in ids], heads, nsm, warps)
-    chunks, out, summ, chains = [], [], [], []
+    chunks, firsts, nchunks = _chunk_table(plan, device)
+    out, summ, chains = [], [], []
     nsin = 0
     for i, r in enumerate(ids):
         run = runs[r]
-        first = len(chunks)
-        chunks += [(run.local_start + off, n) for off, n in run.chunk_offsets(CHUNK)]
-        segs = _segments(run, first, L) if run.length > 0 else []
+        segs = _segments(run, firsts[r], L) if run.length > 0 else []
         if summaries_only:
             chains.append((len(summ), len(segs), -1, i))
             for t0, n, c0, nc in segs:
@@ -173,7 +187,7 @@ def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = Non
     def t(rows, cols):
         return torch.tensor(rows, dtype=torch.int32).reshape(-1, cols).to(device)
 
-    tabs = ForwardTables(t(chunks, 2), t(out, 8), t(summ, 8), t(chains, 4), len(chunks), nsin, len(summ), L)
+    tabs = ForwardTables(chunks, t(out, 8), t(summ, 8), t(chains, 4), nchunks, nsin, len(summ), L)
     cache[key] = tabs
     return tabs
 
@@ -193,90 +207,107 @@ def _state_shape(n: int, H: int) -> tuple[int, int, int, int]:
     return (n, H, _D, _D)
 
 
-def fwd_output_arena_bytes(plan, heads: int, device) -> int:
-    """Arena bytes ``fwd_output`` carves (exact: the same carves, in order): records, then the segment
-    summaries and the folded segment states."""
+def _states(n: int, H: int) -> int:
+    return tensor_bytes(_state_shape(n, H), torch.float32)
+
+
+def records_arena_bytes(plan, heads: int, device) -> int:
+    """Arena bytes of a ``PreparedForward``'s records (every chunk of the plan)."""
     tabs = forward_tables(plan, heads, device)
     if plan.num_tokens == 0 or plan.num_runs == 0 or tabs.num_chunks == 0:
         return 0
-    n = tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
-    if tabs.num_summary > 0:
-        n += 2 * tensor_bytes(_state_shape(tabs.num_summary, heads), torch.float32)
-        n += tensor_bytes(_state_shape(tabs.num_sin, heads), torch.float32)
-    return n
+    return tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
 
 
-def fwd_summaries_arena_bytes(plan, heads: int, run_ids, device) -> int:
-    """Arena bytes ``fwd_summaries`` carves, its results (M, E) included."""
+def output_arena_bytes(plan, heads: int, device) -> int:
+    """Arena bytes ``PreparedForward.output`` carves after the records: segment summaries and states."""
+    tabs = forward_tables(plan, heads, device)
+    if records_arena_bytes(plan, heads, device) == 0 or tabs.num_summary == 0:
+        return 0
+    return 2 * _states(tabs.num_summary, heads) + _states(tabs.num_sin, heads)
+
+
+def summaries_arena_bytes(plan, heads: int, run_ids, device) -> int:
+    """Arena bytes ``PreparedForward.summaries`` carves after the records, its results (M, E) included."""
     run_ids = tuple(int(r) for r in run_ids)
-    n = 2 * tensor_bytes(_state_shape(len(run_ids), heads), torch.float32)
-    if not run_ids:
-        return n
-    tabs = forward_tables(plan, heads, device, run_ids=run_ids)
-    if tabs.num_summary > 0:
-        n += tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
-        n += 2 * tensor_bytes(_state_shape(tabs.num_summary, heads), torch.float32)
+    n = 2 * _states(len(run_ids), heads)
+    if run_ids:
+        tabs = forward_tables(plan, heads, device, run_ids=run_ids)
+        if tabs.num_summary > 0:
+            n += 2 * _states(tabs.num_summary, heads)
     return n
+
+
+class PreparedForward:
+    """One forward call's chunk records, made once (fwd_prep over every chunk of the plan), then read by
+    the summary walks of the runs a rank publishes (KCP) and by the output walk. Scratch comes from
+    ``arena`` (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve."""
+
+    def __init__(self, q, k, v, g, beta, scale, plan, arena=None):
+        check_tensors("CUDA backend", q, k, v, g, beta)
+        self.q, self.k, self.v, self.g, self.beta = (_c(x) for x in (q, k, v, g, beta))
+        self.scale, self.plan = float(scale), plan
+        self.dev = self.q.device
+        self.H = self.q.shape[1]
+        self.arena = arena if arena is not None else Arena(None, self.dev)
+        self.tabs = forward_tables(plan, self.H, self.dev)
+        self.mod = load(self.dev) if plan.num_runs else None
+        self.none = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
+        self.ws = None
+        if self.q.shape[0] and plan.num_runs and self.tabs.num_chunks:
+            self.ws = self.arena.empty((self.tabs.num_chunks * self.H * RECORD_BYTES,), torch.uint8)
+            self.mod.fwd_prep(self.q, self.k, self.g, self.beta, self.tabs.chunks, self.ws, self.scale)
+
+    def summaries(self, run_ids):
+        """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E)."""
+        H, arena = self.H, self.arena
+        run_ids = tuple(int(r) for r in run_ids)
+        M = arena.empty(_state_shape(len(run_ids), H), torch.float32)
+        E = arena.empty(_state_shape(len(run_ids), H), torch.float32)
+        if not run_ids:
+            return M, E
+        tabs = forward_tables(self.plan, H, self.dev, run_ids=run_ids)
+        if tabs.num_summary > 0:
+            m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
+            e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
+            self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, _warps())
+        else:
+            m = e = arena.empty(_state_shape(0, H), torch.float32)
+        # empty runs: chains of count 0 give M = I, E = 0 (the compose kernel starts from [I | 0])
+        self.mod.merge_compose(m, e, tabs.chains, M, E)
+        return M, E
+
+    def output(self, state_in=None):
+        """o [T, H, 128] bf16 of every run from its incoming state (``state_in`` [R, H, 128, 128] fp32 or
+        None = zero)."""
+        T, H = self.q.shape[0], self.H
+        o = torch.empty(T, H, _D, dtype=torch.bfloat16, device=self.dev)
+        if self.ws is None:
+            return o
+        tabs, arena = self.tabs, self.arena
+        sin_t = self.none
+        if state_in is not None:
+            sin_t = state_in.to(torch.float32).contiguous()  # a no-op for the states function.py hands in
+            if tuple(sin_t.shape) != _state_shape(self.plan.num_runs, H):
+                raise ValueError(f"state_in must be [{self.plan.num_runs}, {H}, {_D}, {_D}], got "
+                                 f"{tuple(state_in.shape)}")
+        warps = _warps()
+        seg_states = self.none
+        if tabs.num_summary > 0:
+            m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
+            e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
+            self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, warps)
+            seg_states = arena.empty(_state_shape(tabs.num_sin, H), torch.float32)
+            self.mod.merge_fold(m, e, tabs.chains, sin_t, seg_states)
+        self.mod.fwd_walk_output(self.v, self.ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
+        return o
 
 
 def fwd_output(q, k, v, g, beta, scale, plan, state_in=None, arena=None):
-    """o [T, H, 128] bf16 of every run of ``plan`` from its incoming state (``state_in`` [R, H, 128, 128]
-    fp32 or None = zero), same contract as ``CudaBackend.fwd_output``. Scratch comes from ``arena``
-    (``kda_kcp.arena.Arena``; None: allocated)."""
-    check_tensors("CUDA backend", q, k, v, g, beta)
-    q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
-    dev = q.device
-    arena = arena if arena is not None else Arena(None, dev)
-    T, H, _ = q.shape
-    o = torch.empty(T, H, _D, dtype=torch.bfloat16, device=dev)
-    tabs = forward_tables(plan, H, dev)
-    if T == 0 or plan.num_runs == 0 or tabs.num_chunks == 0:
-        return o
-    none = arena.empty((0,), torch.float32)  # an absent optional argument of a binding (0 bytes)
-    sin_t = none
-    if state_in is not None:
-        sin_t = state_in.to(torch.float32).contiguous()  # a no-op for the states function.py hands in
-        if tuple(sin_t.shape) != _state_shape(plan.num_runs, H):
-            raise ValueError(f"state_in must be [{plan.num_runs}, {H}, {_D}, {_D}], got {tuple(state_in.shape)}")
-    mod = load(dev)
-    warps = _warps()
-    ws = arena.empty((tabs.num_chunks * H * RECORD_BYTES,), torch.uint8)
-    mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
-    seg_states = none
-    if tabs.num_summary > 0:
-        m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-        e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-        mod.fwd_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
-        seg_states = arena.empty(_state_shape(tabs.num_sin, H), torch.float32)
-        mod.merge_fold(m, e, tabs.chains, sin_t, seg_states)
-    mod.fwd_walk_output(v, ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
-    return o
+    """o [T, H, 128] bf16 of every run of ``plan`` from its incoming state (``CudaBackend.fwd_output``)."""
+    return PreparedForward(q, k, v, g, beta, scale, plan, arena).output(state_in)
 
 
 def fwd_summaries(q, k, v, g, beta, scale, plan, run_ids, arena=None):
-    """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E).
-    M, E and the scratch come from ``arena`` (None: allocated); M and E live until the caller releases."""
-    check_tensors("CUDA backend", q, k, v, g, beta)
-    q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
-    dev = q.device
-    arena = arena if arena is not None else Arena(None, dev)
-    H = q.shape[1]
-    run_ids = tuple(int(r) for r in run_ids)
-    M = arena.empty(_state_shape(len(run_ids), H), torch.float32)
-    E = arena.empty(_state_shape(len(run_ids), H), torch.float32)
-    if not run_ids:
-        return M, E
-    tabs = forward_tables(plan, H, dev, run_ids=run_ids)
-    mod = load(dev)
-    warps = _warps()
-    if tabs.num_summary > 0:
-        ws = arena.empty((tabs.num_chunks * H * RECORD_BYTES,), torch.uint8)
-        mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, float(scale))
-        m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-        e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-        mod.fwd_walk_summary(v, ws, tabs.chunks, tabs.summary, m, e, warps)
-    else:
-        m = e = arena.empty(_state_shape(0, H), torch.float32)
-    # empty runs: chains of count 0 give M = I, E = 0 (the compose kernel starts from [I | 0])
-    mod.merge_compose(m, e, tabs.chains, M, E)
-    return M, E
+    """(M, E) of the listed runs from a zero state (``CudaBackend.fwd_summaries``)."""
+    return PreparedForward(q, k, v, g, beta, scale, plan, arena).summaries(run_ids)
