@@ -38,6 +38,8 @@ class KcpContext:
         idx = [torch.arange(s, e, dtype=torch.long) for s, e in self.pieces]
         self.token_index = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)).to(device)
         self._index_on = {str(self.token_index.device): self.token_index}
+        if self.token_index.is_cuda:  # the plan's chunk tables reach the GPU here, once
+            self.local.device_tables(self.token_index.device)
 
     def index_on(self, device) -> torch.Tensor:
         """token_index on ``device`` (copied there once, then cached)."""

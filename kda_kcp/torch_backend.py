@@ -82,6 +82,9 @@ class TorchBackend:
     def arena_bytes(self, part: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
         return 0
 
+    def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
+        return None  # its gather indices are built at the first call
+
     def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None):
         return _Prepared(
             lambda ids: self.fwd_summaries(q, k, v, g, beta, scale, plan, ids),

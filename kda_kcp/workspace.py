@@ -78,7 +78,10 @@ def workspace_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, v
 
 
 def _device_of(ctx, device) -> torch.device:
-    return torch.device(device) if device is not None else ctx.token_index.device
+    dev = torch.device(device) if device is not None else ctx.token_index.device
+    if dev.type == "cuda" and dev.index is None:  # the key the tables are cached under names the index
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def kda_workspace_bytes_kcp(
@@ -115,7 +118,9 @@ def kda_comm_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, valu
 
 
 class WorkspaceKcp:
-    """A byte buffer sized by ``kda_workspace_bytes_kcp``; pass it as ``workspace=`` to reuse it.
+    """A byte buffer sized by ``kda_workspace_bytes_kcp``; pass it as ``workspace=`` to reuse it. Making
+    one for a context also puts the CUDA backend's index tables for ``num_heads`` on the device, so the
+    calls that use it copy nothing from the host.
 
     It holds scratch only (nothing a later backward needs), so consecutive calls, forward or backward,
     of any context whose need fits may share it.
@@ -133,6 +138,10 @@ class WorkspaceKcp:
         )
         self.deterministic = deterministic
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        from .backend import select_backend
+
+        # the CUDA backend's head-dependent index tables, on the device now
+        select_backend(self.device, deterministic).upload_tables(ctx, _heads(num_heads), self.device, self.lean_passes)
 
     @classmethod
     def from_buffer(cls, buffer: torch.Tensor, deterministic=True, local_arena="replay", lean_passes=None) -> "WorkspaceKcp":

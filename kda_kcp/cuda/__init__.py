@@ -35,6 +35,21 @@ class CudaBackend:
         backward.load(device)
         self._loaded.add(key)
 
+    def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
+        """Build every index table a call of ``ctx`` at ``num_heads`` reads and put it on ``device`` now
+        (WorkspaceKcp does, so that no call after it copies anything host to device)."""
+        local, plan = ctx.local, ctx.plan
+        forward.forward_tables(local, num_heads, device)
+        backward._tables(local, device)
+        backward._seg_tables(local, num_heads, device)
+        if passes is not None:
+            backward._lean_passes(local, num_heads, device, passes)
+        if plan.needs_exchange:
+            if plan.fwd_publish[ctx.rank]:
+                forward.forward_tables(local, num_heads, device, run_ids=plan.fwd_publish[ctx.rank])
+            if plan.bwd_publish[ctx.rank]:
+                backward._summary_tables(local, tuple(plan.bwd_publish[ctx.rank]), device, own_chunks=passes is not None)
+
     # one call, prepared once: the chunk records serve the KCP summaries and the local pass
     def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None) -> forward.PreparedForward:
         return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena)

@@ -145,3 +145,18 @@ def test_lean_arena_is_smaller_and_bitwise_equal_to_replay(pack, passes):
     assert _allocations() - a0 == 6, "the lean step allocated more than o and the five gradients"
     for name, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, ref):
         assert torch.equal(x, r), f"{name}: lean ({passes} passes) differs from replay"
+
+
+def test_first_call_after_making_the_workspace_copies_nothing():
+    """Building the context and the workspace put every index table on the GPU: even the first call
+    (kernels already loaded by the backend choice) never blocks the host."""
+    cu, H = [0, 2500, 2501, 7000], 4
+    inputs, do = _data(cu, H, SEED + 40)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+    ws = kda_kcp.WorkspaceKcp(ctx, H)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(inputs, do, ctx, ws)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
