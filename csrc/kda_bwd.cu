@@ -179,6 +179,46 @@ __device__ __forceinline__ void cumsum_rows(float* t, int tid) {
   __syncthreads();
 }
 
+// The same cumsum in a block of NT >= 256 threads: the first 256 do it, every thread synchronizes.
+template <bool REV, int NT>
+__device__ __forceinline__ void cumsum_rows_in(float* t, int tid) {
+  if constexpr (NT == 256) {
+    cumsum_rows<REV>(t, tid);
+  } else {
+    const int d = tid & 127, half = tid >> 7;
+    const bool active = tid < 256;
+    float run = 0.f;
+    if (active) {
+      if constexpr (!REV) {
+        for (int r = 32 * half; r < 32 * half + 32; ++r) {
+          run += t[r * D + d];
+          t[r * D + d] = run;
+        }
+      } else {
+        for (int r = 32 * half + 31; r >= 32 * half; --r) {
+          run += t[r * D + d];
+          t[r * D + d] = run;
+        }
+      }
+    }
+    __syncthreads();
+    if (active) {
+      if constexpr (!REV) {
+        if (half == 1) {
+          const float off = t[31 * D + d];
+          for (int r = 32; r < 64; ++r) t[r * D + d] += off;
+        }
+      } else {
+        if (half == 0) {
+          const float off = t[32 * D + d];
+          for (int r = 0; r < 32; ++r) t[r * D + d] += off;
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // ================================================================================================
 // prep
 // ================================================================================================
@@ -672,10 +712,23 @@ constexpr int B_DG = 114688;  // fp32 [64][128] dG staging
 constexpr int S_BETA = 212992;          // fp32 [64]
 constexpr int S_DGAM = S_BETA + 256;    // fp32 [128]
 constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
-constexpr int S_DB = S_CS + 2048;       // fp32 [8][64]
-constexpr int G_SMEM = S_DB + 2048;
+constexpr int S_DB = S_CS + 2048;       // fp32 [4 CG][64] partial row sums for dbeta
 static_assert(B_CCL + 160 * D * 2 <= B_T1H, "Cc sections overflow");
-static_assert(G_SMEM <= 232448, "grads smem");
+
+// Warp tiling of the gradient kernel: NW warps = 4 row blocks of 16 x CG column groups. Each warp owns
+// 16 rows x (128 / CG) columns of the 64 x 128 accumulators; more warps, fewer registers per thread.
+template <int NW>
+struct GradsTiling {
+  static_assert(NW == 8 || NW == 16, "8 or 16 warps");
+  static constexpr int NTH = NW * 32;
+  static constexpr int CG = NW / 4;       // column groups
+  static constexpr int NT128 = 16 / CG;   // 8-column mma tiles per warp of a 128-column output
+  static constexpr int NT64 = 8 / CG;     // ... of a 64-column output
+  static constexpr int TPR = NTH / 128;   // threads per key row when loading S and dS
+  static constexpr int TPR_SHIFT = TPR == 2 ? 1 : 2;
+  static constexpr int SMEM = S_DB + 4 * CG * C * 4;
+  static_assert(SMEM <= 232448, "grads smem");
+};
 
 // Which operands of the gradient kernel are carried as bf16 hi + lo (three products) instead of hi only:
 // bit 0 S in dQg and dW; bit 1 V_new, dV_new; bit 2 A; bit 3 dW, K o e^G, dA, A^T dA, dP, s dAqk;
@@ -695,7 +748,10 @@ constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
 constexpr bool kSN = (KDA_BWD_SPLIT >> 5) & 1;  // bit 5: S in V_new = U - W S
 constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next (in dV_new and dKg)
 
-__global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
+template <int NW>
+__global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
+  using T = GradsTiling<NW>;
+  constexpr int NT = T::NTH, NT128 = T::NT128, NT64 = T::NT64, CG = T::CG;
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x, h = blockIdx.y, H = a.H;
@@ -716,22 +772,23 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
   float* sDb = reinterpret_cast<float*>(smem + S_DB);
 
   const int m0 = 16 * (warp & 3);
-  const int n128 = 64 * (warp >> 2);  // 64x128 outputs: 16 rows x 64 cols per warp
-  const int n64 = 32 * (warp >> 2);   // 64x64 outputs: 16 rows x 32 cols per warp
+  const int cg = warp >> 2;           // column group: 4 row blocks x CG column groups of warps
+  const int n128 = (128 / CG) * cg;   // 64x128 outputs: 16 rows x 128 / CG cols per warp
+  const int n64 = (64 / CG) * cg;     // 64x64 outputs: 16 rows x 64 / CG cols per warp
 
   // ---- phase A loads ----
-  load_bf16<128, NTH>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, C, nrows, tid);
-  load_bf16<128, NTH>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
-  load_bf16<128, NTH>(B16(A_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
-  load_bf16<128, NTH>(B16(A_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
-  load_bf16<64, NTH>(B16(A_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, C, tid);
-  load_bf16<64, NTH>(B16(A_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, C, tid);
-  load_bf16<64, NTH>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, C, tid);
-  if (kSA) load_bf16<64, NTH>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, C, tid);
+  load_bf16<128, NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, C, nrows, tid);
+  load_bf16<128, NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
+  load_bf16<128, NT>(B16(A_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
+  load_bf16<128, NT>(B16(A_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
+  load_bf16<64, NT>(B16(A_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, C, tid);
+  load_bf16<64, NT>(B16(A_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, C, tid);
+  load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, C, tid);
+  if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, C, tid);
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
-  float dQg[1][8][4], dW[1][8][4], dKg[1][8][4], dAqk[1][4][4], dAU[1][4][4];
+  float dQg[1][NT128][4], dW[1][NT128][4], dKg[1][NT128][4], dAqk[1][NT64][4], dAU[1][NT64][4];
   zero(dQg);
   zero(dW);
   zero(dKg);
@@ -743,9 +800,9 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
     const int voff = 64 * vh;
     // S, dS_next halves -> bf16 hi / lo [128][64]; dgamma partial
     {
-      const int d = tid >> 1, cb = (tid & 1) * 32;
+      const int d = tid >> T::TPR_SHIFT, cb = (tid & (T::TPR - 1)) * (64 / T::TPR);  // T::TPR threads per row
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < 16 / T::TPR; ++i) {
         const int cc = cb + 4 * i;
         const float4 s4 = *reinterpret_cast<const float4*>(Sg + d * D + voff + cc);
         const float4 t4 = *reinterpret_cast<const float4*>(dSg + d * D + voff + cc);
@@ -763,32 +820,32 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
     __syncthreads();
     {
       // V_new (half) = U - W S
-      float acc[1][4][4];
+      float acc[1][NT64][4];
       zero(acc);
-      wgemm<1, 4, 128, false, false, 64, true, kSN>(acc, B16(A_W), nullptr, m0, 0, B16(A_SH), B16(A_SL), n64, 0, D, lane);
+      wgemm<1, NT64, 128, false, false, 64, true, kSN>(acc, B16(A_W), nullptr, m0, 0, B16(A_SH), B16(A_SL), n64, 0, D, lane);
       epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
         const float2 u = *reinterpret_cast<const float2*>(gU + r * D + voff + cc);
         st2<64>(B16(A_VNH), B16(A_VNL), r, cc, u.x - x0, u.y - x1);
       });
       // dV_new (half) = Aqk^T dO + Kg dS_next
       zero(acc);
-      wgemm<1, 4, 64, true, true, 128, true, false>(acc, B16(A_AQH), B16(A_AQL), m0, m0, B16(A_DO), nullptr,
+      wgemm<1, NT64, 64, true, true, 128, true, false>(acc, B16(A_AQH), B16(A_AQL), m0, m0, B16(A_DO), nullptr,
                                                     voff + n64, m0, C - m0, lane);
-      wgemm<1, 4, 128, false, false, 64, true, kSM>(acc, B16(A_KG), nullptr, m0, 0, B16(A_DH), B16(A_DL), n64, 0, D, lane);
+      wgemm<1, NT64, 128, false, false, 64, true, kSM>(acc, B16(A_KG), nullptr, m0, 0, B16(A_DH), B16(A_DL), n64, 0, D, lane);
       epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(A_DVH), B16(A_DVL), r, cc, x0, x1); });
     }
     __syncthreads();
     // products reduced over the value columns of this half
-    wgemm<1, 8, 128, false, false, 64, false, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, 8, 64, false, kSV, 64, false, kSS>(dW, B16(A_DVH), B16(A_DVL), m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, 8, 64, false, kSV, 64, false, kSM>(dKg, B16(A_VNH), B16(A_VNL), m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
-    wgemm<1, 4, 128, false, false, 64, false, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, B16(A_VNH), B16(A_VNL), n64, 0, 64, lane);
-    wgemm<1, 4, 64, false, kSV, 128, false, false>(dAU, B16(A_DVH), B16(A_DVL), m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
+    wgemm<1, NT128, 128, false, false, 64, false, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, NT128, 64, false, kSV, 64, false, kSS>(dW, B16(A_DVH), B16(A_DVL), m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, NT128, 64, false, kSV, 64, false, kSM>(dKg, B16(A_VNH), B16(A_VNL), m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
+    wgemm<1, NT64, 128, false, false, 64, false, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, B16(A_VNH), B16(A_VNL), n64, 0, 64, lane);
+    wgemm<1, NT64, 64, false, kSV, 128, false, false>(dAU, B16(A_DVH), B16(A_DVL), m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
     {
       // dVb (half) = A^T dV_new -> dv = beta dVb; dbeta partial sum(dVb o v)
-      float acc[1][4][4];
+      float acc[1][NT64][4];
       zero(acc);
-      wgemm<1, 4, 64, true, kSA, 64, true, kSV>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(A_DVH), B16(A_DVL), n64, m0,
+      wgemm<1, NT64, 64, true, kSA, 64, true, kSV>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(A_DVH), B16(A_DVL), n64, m0,
                                                   C - m0, lane);
       float rs[2] = {0.f, 0.f};
       bf16* dv = static_cast<bf16*>(a.dv);
@@ -800,26 +857,31 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
           *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
         }
       });
-      store_row_sums(sDb, (vh * 2 + (warp >> 2)) * C + m0, rs, lane);
+      store_row_sums(sDb, (vh * CG + cg) * C + m0, rs, lane);
     }
     __syncthreads();
   }
-  {
+  if constexpr (T::TPR == 2) {
     const float o = __shfl_xor_sync(0xffffffffu, dgam, 1);
     if ((tid & 1) == 0) sDgam[tid >> 1] = dgam + o;
+  } else {
+    float s = dgam;
+#pragma unroll
+    for (int off = 1; off < T::TPR; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if ((tid & (T::TPR - 1)) == 0) sDgam[tid >> T::TPR_SHIFT] = s;
   }
 
   // ---- phase B1: G, q, k; consume dQg, dKg; stage dW, s dAqk, K o exp(G) ----
   float* sG = reinterpret_cast<float*>(smem + B_G);
-  load_f32<NTH>(sG, D, a.g + base, gs, C, D, nrows, tid);
-  load_bf16<128, NTH>(B16(B_Q), static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
-  load_bf16<128, NTH>(B16(B_K), static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
+  load_f32<NT>(sG, D, a.g + base, gs, C, D, nrows, tid);
+  load_bf16<128, NT>(B16(B_Q), static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
+  load_bf16<128, NT>(B16(B_K), static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
-  cumsum_rows<false>(sG, tid);
+  cumsum_rows_in<false, NT>(sG, tid);
 
-  float Rg[1][8][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
+  float Rg[1][NT128][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
   epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
     const float e0 = fexp(sG[r * D + cc]), e1 = fexp(sG[r * D + cc + 1]);
     x0 *= a.scale * e0;
@@ -829,7 +891,7 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
   {
     const int g4 = lane >> 2, l4 = lane & 3;
 #pragma unroll
-    for (int ni = 0; ni < 8; ++ni)
+    for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
@@ -837,7 +899,7 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
       }
   }
   {
-    float cs[8][2];
+    float cs[NT128][2];
     epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
       const float Lg0 = sG[63 * D + cc], Lg1 = sG[63 * D + cc + 1];
       const float d0 = fexp(Lg0 - sG[r * D + cc]), d1 = fexp(Lg1 - sG[r * D + cc + 1]);
@@ -846,7 +908,7 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
     });
     const int g4 = lane >> 2, l4 = lane & 3;
 #pragma unroll
-    for (int ni = 0; ni < 8; ++ni) {
+    for (int ni = 0; ni < NT128; ++ni) {
       cs[ni][0] = 0.f;
       cs[ni][1] = 0.f;
 #pragma unroll
@@ -858,7 +920,7 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
       }
     }
 #pragma unroll
-    for (int ni = 0; ni < 8; ++ni)
+    for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         float s = cs[ni][b];
@@ -872,7 +934,7 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
   epi(dAqk, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
     st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
   });
-  for (int p = tid; p < C * D / 2; p += NTH) {
+  for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
     const float2 kk = ld2<128>(B16(B_K), r, d);
     st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(sG[r * D + d]), kk.y * fexp(sG[r * D + d + 1]));
@@ -880,19 +942,19 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
   __syncthreads();
 
   // ---- B2: dA = (dV_new v^T + dW Kexp^T) diag(beta); dKb = A^T dW ----
-  wgemm<1, 4, 128, false, kSD, 128, false, kSD>(dAU, B16(B_DWH), B16(B_DWL), m0, 0, B16(B_XH), B16(B_XL), n64, 0, D, lane);
+  wgemm<1, NT64, 128, false, kSD, 128, false, kSD>(dAU, B16(B_DWH), B16(B_DWL), m0, 0, B16(B_XH), B16(B_XL), n64, 0, D, lane);
   epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
     st2<64>(B16(B_DAH), B16(B_DAL), r, cc, x0 * sBeta[cc], x1 * sBeta[cc + 1]);
   });
   {
-    float acc[1][8][4];
+    float acc[1][NT128][4];
     zero(acc);
-    wgemm<1, 8, 64, true, kSA, 128, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DWH), B16(B_DWL), n128, m0,
+    wgemm<1, NT128, 64, true, kSA, 128, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DWH), B16(B_DWL), n128, m0,
                                                  C - m0, lane);
     float rs[2] = {0.f, 0.f};
     const int g4 = lane >> 2, l4 = lane & 3;
 #pragma unroll
-    for (int ni = 0; ni < 8; ++ni)
+    for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
@@ -904,19 +966,19 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
         Rg[0][ni][e] += b * x * kx;
         rs[e >> 1] += x * kx;
       }
-    store_row_sums(sDb, (4 + (warp >> 2)) * C + m0, rs, lane);
+    store_row_sums(sDb, (2 * CG + cg) * C + m0, rs, lane);
   }
   __syncthreads();
   // ---- B3: T1 = A^T dA; dL = -(T1 A^T) strictly lower; dP = beta dL; dbeta partial sum(dL o P) ----
   {
-    float acc[1][4][4];
+    float acc[1][NT64][4];
     zero(acc);
-    wgemm<1, 4, 64, true, kSA, 64, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
+    wgemm<1, NT64, 64, true, kSA, 64, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
                                                 C - m0, lane);
     epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(B_T1H), B16(B_T1L), r, cc, x0, x1); });
     __syncthreads();
     zero(acc);
-    wgemm<1, 4, 64, false, kSD, 64, false, kSA>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), B16(A_AL), n64, 0, C, lane);
+    wgemm<1, NT64, 64, false, kSD, 64, false, kSA>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), B16(A_AL), n64, 0, C, lane);
     float rs[2] = {0.f, 0.f};
     epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
       const float l0 = cc < r ? -x0 : 0.f, l1 = cc + 1 < r ? -x1 : 0.f;
@@ -925,10 +987,10 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
       const float b = sBeta[r];
       st2<64>(B16(B_DPH), B16(B_DPL), r, cc, b * l0, b * l1);
     });
-    store_row_sums(sDb, (6 + (warp >> 2)) * C + m0, rs, lane);
+    store_row_sums(sDb, (3 * CG + cg) * C + m0, rs, lane);
   }
   // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
-  for (int p = tid; p < 160 * (D / 2); p += NTH) {
+  for (int p = tid; p < 160 * (D / 2); p += NT) {
     const int row = p >> 6, d = (p & 63) * 2;
     const int I = row < 16 ? 0 : row < 48 ? 1 : row < 96 ? 2 : 3;
     const int j = row - cc_sec(I);
@@ -942,15 +1004,15 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
     const int I = warp & 3;
     const bf16* cch = B16(B_CCH) + cc_sec(I) * D;
     const bf16* ccl = B16(B_CCL) + cc_sec(I) * D;
-    float acc[1][8][4];
+    float acc[1][NT128][4];
     zero(acc);
-    wgemm<1, 8, 64, false, kSD, 128, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
+    wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
     bf16* dq = static_cast<bf16*>(a.dq);
     const int g4 = lane >> 2, l4 = lane & 3;
     // y = acc o exp(G_r - G_{16 I}): dX += y, Rg += x o y (x the bf16 row operand, q or k)
-    auto add_pairwise_rows = [&](const float (&acc)[1][8][4], float (&dX)[1][8][4], const bf16* x) {
+    auto add_pairwise_rows = [&](const float (&acc)[1][NT128][4], float (&dX)[1][NT128][4], const bf16* x) {
 #pragma unroll
-      for (int ni = 0; ni < 8; ++ni)
+      for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
@@ -964,12 +1026,12 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
       if (r < nrows) *reinterpret_cast<uint32_t*>(dq + base + r * gs + cc) = pack_bf16(x0, x1);
     });
     zero(acc);
-    wgemm<1, 8, 64, false, kSD, 128, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
+    wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
     add_pairwise_rows(acc, dKg, B16(B_K));
   }
   __syncthreads();
   // ---- pairwise columns: col = cols(dP, k) + cols(s dAqk, q) ----
-  for (int p = tid; p < C * D / 2; p += NTH) {
+  for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
     const int ar = r & ~15;
     const float e0 = fexp(sG[r * D + d] - sG[ar * D + d]), e1 = fexp(sG[r * D + d + 1] - sG[ar * D + d + 1]);
@@ -982,14 +1044,14 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
     const int J = warp & 3;
     const int g4 = lane >> 2, l4 = lane & 3;
     for (int I = J; I < 4; ++I) {
-      float part[1][8][4];
+      float part[1][NT128][4];
       zero(part);
-      wgemm<1, 8, 64, true, kSD, 128, true, kSP>(part, B16(B_DPH), B16(B_DPL), m0, 16 * I, B16(B_KRH), B16(B_KRL), n128,
+      wgemm<1, NT128, 64, true, kSD, 128, true, kSP>(part, B16(B_DPH), B16(B_DPL), m0, 16 * I, B16(B_KRH), B16(B_KRL), n128,
                                                    16 * I, 16, lane);
-      wgemm<1, 8, 64, true, kSD, 128, true, kSP>(part, B16(B_SDAH), B16(B_SDAL), m0, 16 * I, B16(B_QRH), B16(B_QRL),
+      wgemm<1, NT128, 64, true, kSD, 128, true, kSP>(part, B16(B_SDAH), B16(B_SDAL), m0, 16 * I, B16(B_QRH), B16(B_QRL),
                                                    n128, 16 * I, 16, lane);
 #pragma unroll
-      for (int ni = 0; ni < 8; ++ni)
+      for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
@@ -1016,16 +1078,29 @@ __global__ void __launch_bounds__(NTH, 1) grads_kernel(const Args a) {
     sDG[63 * D + d] += extra;
   }
   __syncthreads();
-  cumsum_rows<true>(sDG, tid);
+  cumsum_rows_in<true, NT>(sDG, tid);
   {
-    const int d = tid & 127, half = tid >> 7;
-    for (int r = 32 * half; r < 32 * half + 32; ++r)
+    constexpr int RPG = 64 / (NT / 128);  // rows per group of 128 threads
+    const int d = tid & 127, grp = tid >> 7;
+    for (int r = RPG * grp; r < RPG * grp + RPG; ++r)
       if (r < nrows) a.dg[base + r * gs + d] = sDG[r * D + d];
   }
   if (tid < C && tid < nrows) {
     const float* b = sDb;
-    const float s = ((b[0 * C + tid] + b[1 * C + tid]) + (b[2 * C + tid] + b[3 * C + tid])) +
-                    ((b[4 * C + tid] + b[5 * C + tid]) + (b[6 * C + tid] + b[7 * C + tid]));
+    float s;
+    if constexpr (CG == 2) {
+      s = ((b[0 * C + tid] + b[1 * C + tid]) + (b[2 * C + tid] + b[3 * C + tid])) +
+          ((b[4 * C + tid] + b[5 * C + tid]) + (b[6 * C + tid] + b[7 * C + tid]));
+    } else {  // the 4 CG partial row sums in a fixed pairwise order
+      float part[4 * CG];
+#pragma unroll
+      for (int i = 0; i < 4 * CG; ++i) part[i] = b[i * C + tid];
+#pragma unroll
+      for (int w = 1; w < 4 * CG; w <<= 1)
+#pragma unroll
+        for (int i = 0; i + w < 4 * CG; i += 2 * w) part[i] += part[i + w];
+      s = part[0];
+    }
     static_cast<bf16*>(a.dbeta)[(tok + tid) * H + h] = __float2bfloat16_rn(s);
   }
 }
@@ -1072,9 +1147,11 @@ cudaError_t launch_rev_summary(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
   return launch(rev_walk_kernel<true>, dim3(a.nruns, a.H, 2 * D / WCOLS), WNW * 32, 2 * RW_STAGE, a, s);
 }
-cudaError_t launch_grads(const Args& a, cudaStream_t s) {
+cudaError_t launch_grads(const Args& a, int warps, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
-  return launch(grads_kernel, dim3(a.nchunks, a.H), NTH, G_SMEM, a, s);
+  if (warps == 16)
+    return launch(grads_kernel<16>, dim3(a.nchunks, a.H), GradsTiling<16>::NTH, GradsTiling<16>::SMEM, a, s);
+  return launch(grads_kernel<8>, dim3(a.nchunks, a.H), GradsTiling<8>::NTH, GradsTiling<8>::SMEM, a, s);
 }
 
 }  // namespace bwd

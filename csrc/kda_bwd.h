@@ -68,7 +68,8 @@ cudaError_t launch_rev_walk(const Args& a, cudaStream_t s);   // writes dh
 cudaError_t launch_rev_summary(const Args& a, cudaStream_t s);  // writes mt_out, f_out
 cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s);  // writes m_out, e_out
 cudaError_t launch_fold(const Args& a, bool rev, cudaStream_t s);  // chains in runs; writes fold_out
-cudaError_t launch_grads(const Args& a, cudaStream_t s);
+// warps: 8 (default) or 16 per CTA (GradsTiling in kda_bwd.cu)
+cudaError_t launch_grads(const Args& a, int warps, cudaStream_t s);
 
 }  // namespace bwd
 }  // namespace kda

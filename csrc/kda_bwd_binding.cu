@@ -178,10 +178,10 @@ void bwd_rev_summary(TensorView dout, TensorView prep, TensorView chunks, Tensor
   raise_on(B::launch_rev_summary(a, stream_of(mt)), "kda bwd_rev_summary launch");
 }
 
-// Per-chunk gradients from the prep records, h and dh.
+// Per-chunk gradients from the prep records, h and dh; warps (8 or 16) per CTA.
 void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView dout,
                TensorView chunks, TensorView prep, TensorView h, TensorView dh, TensorView dq, TensorView dk,
-               TensorView dv, TensorView dg, TensorView dbeta, double scale) {
+               TensorView dv, TensorView dg, TensorView dbeta, double scale, int64_t warps) {
   const int dev = q.device().device_id;
   TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
   const int64_t T = q.size(0), H = q.size(1);
@@ -205,7 +205,8 @@ void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorVie
   a.dv = dv.data_ptr();
   a.dg = static_cast<float*>(dg.data_ptr());
   a.dbeta = dbeta.data_ptr();
-  raise_on(B::launch_grads(a, stream_of(q)), "kda bwd_grads launch");
+  TVM_FFI_CHECK(warps == 8 || warps == 16, ValueError) << "warps must be 8 or 16";
+  raise_on(B::launch_grads(a, static_cast<int>(warps), stream_of(q)), "kda bwd_grads launch");
 }
 
 }  // namespace

@@ -35,6 +35,15 @@ ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "
                 "bwd_grads")
 
 
+def _grads_warps() -> int:
+    """Warps per CTA of the gradient kernel: 8 (measured, the default) or 16 (``KDA_KCP_BWD_GRADS_WARPS=16``:
+    half the accumulator registers per thread, twice the warps per SM; NOTES.md, session 2)."""
+    w = int(os.environ.get("KDA_KCP_BWD_GRADS_WARPS", "8") or 8)
+    if w not in (8, 16):
+        raise ValueError(f"KDA_KCP_BWD_GRADS_WARPS must be 8 or 16, got {w}")
+    return w
+
+
 def load(device=None):
     """The tvm_ffi module of kda_bwd (build.json) for the arch of ``device`` (kda_kcp.jit caches it)."""
     from ..jit import load_program
@@ -370,7 +379,7 @@ class PreparedBackward:
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
             mod.bwd_fold(mt, f, st.rchains, dso, rfold, True)
         mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
-        mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale)
+        mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
         return grads
 
 
@@ -426,7 +435,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
         mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h)
         mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh)
-        mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale)
+        mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())
 
 
 def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids, arena=None):
