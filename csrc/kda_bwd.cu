@@ -148,75 +148,41 @@ __device__ __forceinline__ void store_row_sums(float* dst, int row0, const float
   }
 }
 
-// 2-level cumsum over the 64 rows of an fp32 [64][128] tile (256 threads), forward or reverse.
-template <bool REV>
+// 2-level cumsum over the 64 rows of an fp32 [64][128] tile by the first 256 of the block's NT threads,
+// forward or reverse (every thread of the block calls it: it synchronizes).
+template <bool REV, int NT = 256>
 __device__ __forceinline__ void cumsum_rows(float* t, int tid) {
   const int d = tid & 127, half = tid >> 7;
+  const bool active = NT == 256 || tid < 256;
   float run = 0.f;
-  if constexpr (!REV) {
-    for (int r = 32 * half; r < 32 * half + 32; ++r) {
-      run += t[r * D + d];
-      t[r * D + d] = run;
-    }
-  } else {
-    for (int r = 32 * half + 31; r >= 32 * half; --r) {
-      run += t[r * D + d];
-      t[r * D + d] = run;
+  if (active) {
+    if constexpr (!REV) {
+      for (int r = 32 * half; r < 32 * half + 32; ++r) {
+        run += t[r * D + d];
+        t[r * D + d] = run;
+      }
+    } else {
+      for (int r = 32 * half + 31; r >= 32 * half; --r) {
+        run += t[r * D + d];
+        t[r * D + d] = run;
+      }
     }
   }
   __syncthreads();
-  if constexpr (!REV) {
-    if (half == 1) {
-      const float off = t[31 * D + d];
-      for (int r = 32; r < 64; ++r) t[r * D + d] += off;
-    }
-  } else {
-    if (half == 0) {
-      const float off = t[32 * D + d];
-      for (int r = 0; r < 32; ++r) t[r * D + d] += off;
+  if (active) {
+    if constexpr (!REV) {
+      if (half == 1) {
+        const float off = t[31 * D + d];
+        for (int r = 32; r < 64; ++r) t[r * D + d] += off;
+      }
+    } else {
+      if (half == 0) {
+        const float off = t[32 * D + d];
+        for (int r = 0; r < 32; ++r) t[r * D + d] += off;
+      }
     }
   }
   __syncthreads();
-}
-
-// The same cumsum in a block of NT >= 256 threads: the first 256 do it, every thread synchronizes.
-template <bool REV, int NT>
-__device__ __forceinline__ void cumsum_rows_in(float* t, int tid) {
-  if constexpr (NT == 256) {
-    cumsum_rows<REV>(t, tid);
-  } else {
-    const int d = tid & 127, half = tid >> 7;
-    const bool active = tid < 256;
-    float run = 0.f;
-    if (active) {
-      if constexpr (!REV) {
-        for (int r = 32 * half; r < 32 * half + 32; ++r) {
-          run += t[r * D + d];
-          t[r * D + d] = run;
-        }
-      } else {
-        for (int r = 32 * half + 31; r >= 32 * half; --r) {
-          run += t[r * D + d];
-          t[r * D + d] = run;
-        }
-      }
-    }
-    __syncthreads();
-    if (active) {
-      if constexpr (!REV) {
-        if (half == 1) {
-          const float off = t[31 * D + d];
-          for (int r = 32; r < 64; ++r) t[r * D + d] += off;
-        }
-      } else {
-        if (half == 0) {
-          const float off = t[32 * D + d];
-          for (int r = 0; r < 32; ++r) t[r * D + d] += off;
-        }
-      }
-    }
-    __syncthreads();
-  }
 }
 
 // ================================================================================================
@@ -879,7 +845,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
-  cumsum_rows_in<false, NT>(sG, tid);
+  cumsum_rows<false, NT>(sG, tid);
 
   float Rg[1][NT128][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
   epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
@@ -1078,7 +1044,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     sDG[63 * D + d] += extra;
   }
   __syncthreads();
-  cumsum_rows_in<true, NT>(sDG, tid);
+  cumsum_rows<true, NT>(sDG, tid);
   {
     constexpr int RPG = 64 / (NT / 128);  // rows per group of 128 threads
     const int d = tid & 127, grp = tid >> 7;

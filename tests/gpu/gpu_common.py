@@ -88,3 +88,27 @@ def poison_like(*tensors):
 def run_fwd(be, inputs, scale, plan, state_in=None):
     poison_like(inputs[0])
     return be.fwd_output(*inputs, scale, plan, state_in)
+
+
+def capture(step, static):
+    """Capture ``step(*static)`` in a CUDA graph after two warm-up calls on a side stream (kernels loaded,
+    tables uploaded, allocator pools settled); returns (graph, the captured outputs). Copy new values
+    into ``static`` and call ``graph.replay()`` to rerun it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(*static)
+    return graph, outs
+
+
+def replay(graph, static, new):
+    """Copy ``new`` into ``static`` and replay ``graph``, synchronized."""
+    for s, n in zip(static, new):
+        s.copy_(n)
+    graph.replay()
+    torch.cuda.synchronize()

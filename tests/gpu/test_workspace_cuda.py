@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_common import DEV, fresh_seed, make_inputs, require_kernel_gpu
+from gpu_common import DEV, capture, fresh_seed, make_inputs, replay, require_kernel_gpu
 
 require_kernel_gpu("the CUDA workspace tests")
 
@@ -104,24 +104,11 @@ def test_cuda_graph_replay_matches_eager(pack):
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
     ws = kda_kcp.WorkspaceKcp(ctx, H)
     inputs, do = _data(cu, H, SEED + 20)
-    static = [x.clone() for x in inputs]
-    static_do = do.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: kernels loaded, tables uploaded
-        for _ in range(2):
-            _step(static, static_do, ctx, ws)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = _step(static, static_do, ctx, ws)
+    static = [x.clone() for x in (*inputs, do)]
+    graph, outs = capture(lambda *xs: _step(xs[:5], xs[5], ctx, ws), static)
     for trial in range(2):
         new_inputs, new_do = _data(cu, H, SEED + 21 + trial)
-        for s, n in zip(static, new_inputs):
-            s.copy_(n)
-        static_do.copy_(new_do)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay(graph, static, [*new_inputs, new_do])
         eager = _step(new_inputs, new_do, ctx)
         for name, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), outs, eager):
             assert torch.equal(x, r), f"trial {trial}: {name} of the replayed graph differs from eager"
