@@ -947,6 +947,8 @@ def rank_main(rank, args, port):
         group = dist.group.WORLD
     try:
         Bench(args, rank, device, group).run()
+        if W > 1:
+            dist.barrier()  # every rank done with the group before any tears it down
     finally:
         if W > 1:
             dist.destroy_process_group()

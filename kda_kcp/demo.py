@@ -111,6 +111,7 @@ def _worker(rank, world, init_file, docs, heads, dim, use_cuda, ref_file):
                     full.append(g)
                 if rank == 0:
                     report(f"W={world} {layout}{' ckpt' if use_ckpt else ''}", full, ref, float(t))
+        dist.barrier()  # every rank done with the group before any tears it down (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 

@@ -77,6 +77,7 @@ def _entry(rank, world, init_file, fn, args):
     torch.set_num_threads(1)
     try:
         fn(rank, world, *args)
+        dist.barrier()  # every rank done with the group before any tears it down (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 
