@@ -1,5 +1,5 @@
-// KDA chunked backward, head dim 128, chunk 64 (v1, staged). Four kernels, and the FP32 affine fold of
-// segment summaries shared with the forward (kda_affine_merge.cuh):
+// KDA chunked backward, head dim 128, chunk 64 (v1, staged). Four kernels (the segment summaries are folded
+// by the FP32 affine merge shared with the forward, kda_affine_merge.cuh, exported by the binding):
 //
 //   prep_kernel      (chunk, head):        G = cumsum g, P, L, Aqk by anchored pairwise products on tensor
 //                                          cores, A = (I + L)^-1 in FP32 (blocked substitution), W, U, Kg,
@@ -15,7 +15,6 @@
 //
 // No atomics anywhere; every reduction has a fixed order, so the result is bitwise repeatable, and the
 // same kernels serve both packages (det and nondet).
-#include "kda_affine_merge.cuh"
 #include "kda_bwd.h"
 #include "kda_chunk_prep.cuh"
 #include "kda_common.cuh"
@@ -476,19 +475,7 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) VN[nt][e] = withU ? sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)] : 0.f;
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      uint32_t sh[4], sl[4];
-      split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
-      negate_split(sh, sl);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t bw[4];
-        ldb<128>(bw, sW, ks * 16, np * 16, lane);
-        mma_n16(VN[2 * np], VN[2 * np + 1], sh, bw);
-        mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
-      }
-    }
+    state_tile_mul<true>(VN, ST, sW, lane);
     uint32_t vh[4][4], vl[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
@@ -590,18 +577,7 @@ __global__ void __launch_bounds__(WNW * 32) rev_walk_kernel(const Args a) {
         }
       }
     }
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      uint32_t sh[4], sl[4];
-      split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
-#pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t b[4];
-        ldb<128>(b, sKg, ks * 16, np * 16, lane);
-        mma_n16(DV[2 * np], DV[2 * np + 1], sh, b);
-        mma_n16(DV[2 * np], DV[2 * np + 1], sl, b);
-      }
-    }
+    state_tile_mul<false>(DV, ST, sKg, lane);
     // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
     decay_state(ST, sGam, l4);
     if (withF) {
@@ -1092,18 +1068,6 @@ cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s) {
 cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
   return launch(fwd_walk_kernel<true>, dim3(a.nruns, a.H, 2 * D / WCOLS), WNW * 32, 2 * FW_STAGE, a, s);
-}
-cudaError_t launch_fold(const Args& a, bool rev, cudaStream_t s) {
-  // the shared FP32 affine fold: (M, E) from state_in forward, (M^T, F) from dstate_out backward
-  MergeArgs m{};
-  m.m = a.m_sum;
-  m.e = a.e_sum;
-  m.chains = a.runs;
-  m.nchain = a.nruns;
-  m.H = a.H;
-  m.init = rev ? a.dstate_out : a.state_in;
-  m.out0 = a.fold_out;
-  return launch_merge_fold(m, s);
 }
 cudaError_t launch_rev_walk(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;

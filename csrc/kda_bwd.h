@@ -52,9 +52,6 @@ struct Args {
   float* m_out;             // forward segment summaries: [n, H, K, K]
   float* e_out;             // forward segment summaries: [n, H, K, V]
   const float* fold;        // walks: incoming states of segments with src == 1 [n, H, K, V]
-  const float* m_sum;       // fold: summaries (M or M^T) [n, H, K, K]
-  const float* e_sum;       // fold: offsets (E or F) [n, H, K, V]
-  float* fold_out;          // fold: the folded states [n, H, K, V]
   void* dq;
   void* dk;
   void* dv;
@@ -67,7 +64,6 @@ cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s);   // writes h
 cudaError_t launch_rev_walk(const Args& a, cudaStream_t s);   // writes dh
 cudaError_t launch_rev_summary(const Args& a, cudaStream_t s);  // writes mt_out, f_out
 cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s);  // writes m_out, e_out
-cudaError_t launch_fold(const Args& a, bool rev, cudaStream_t s);  // chains in runs; writes fold_out
 // warps: 8 (default) or 16 per CTA (GradsTiling in kda_bwd.cu)
 cudaError_t launch_grads(const Args& a, int warps, cudaStream_t s);
 

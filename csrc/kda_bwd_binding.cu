@@ -4,6 +4,7 @@
 #include <tvm/ffi/function.h>
 
 #include "kda_bwd.h"
+#include "kda_affine_merge_binding.h"
 #include "kda_ffi_checks.h"
 
 namespace {
@@ -52,6 +53,22 @@ B::Args base_args(const TensorView& chunks, const TensorView& runs, int64_t H, T
   return a;
 }
 
+// Args of the walk and summary kernels: the chunk table, the row table (rows_name) and the prep records
+// checked first.
+B::Args walk_args(const TensorView& prep, const TensorView& chunks, const TensorView& rows, const char* rows_name,
+                  int64_t H, int dev) {
+  check_table(chunks, "chunk table", 2, dev);
+  check_table(rows, rows_name, 4, dev);
+  check_prep(prep, chunks.size(0), H, dev);
+  return base_args(chunks, rows, H, prep);
+}
+
+// do bf16 [T, H, 128] (T from do itself: the walks read it through the chunk table)
+void check_dout(const TensorView& dout, int64_t H, int dev) {
+  TVM_FFI_CHECK(dout.ndim() == 3, ValueError) << "do must be [T, H, 128]";
+  check_tok(dout, "do", dout.size(0), H, kDLBfloat, 16, dev);
+}
+
 // Args of the per-chunk kernels (prep, grads): no run table.
 B::Args chunk_args(const TensorView& chunks, TensorView prep, int64_t H, const TensorView& q, const TensorView& k,
                    const TensorView& v, const TensorView& g, const TensorView& beta, double scale) {
@@ -85,13 +102,10 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
 void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView fold,
                   TensorView h) {
   const int dev = prep.device().device_id;
-  check_table(chunks, "chunk table", 2, dev);
-  check_table(runs, "run table", 4, dev);
   TVM_FFI_CHECK(h.ndim() == 4, ValueError) << "h must be [Nc, H, 128, 128]";
   const int64_t H = h.size(1);
   check_state(h, "h", chunks.size(0), H, dev);
-  check_prep(prep, chunks.size(0), H, dev);
-  B::Args a = base_args(chunks, runs, H, prep);
+  B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
   a.h = static_cast<float*>(h.data_ptr());
   a.state_in = optional_state(state_in, "state_in", H, dev);
   a.fold = optional_state(fold, "segment states", H, dev);
@@ -102,15 +116,11 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
 void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
                   TensorView fold, TensorView dh) {
   const int dev = prep.device().device_id;
-  check_table(chunks, "chunk table", 2, dev);
-  check_table(runs, "run table", 4, dev);
   TVM_FFI_CHECK(dh.ndim() == 4, ValueError) << "dh must be [Nc, H, 128, 128]";
   const int64_t H = dh.size(1);
   check_state(dh, "dh", chunks.size(0), H, dev);
-  check_prep(prep, chunks.size(0), H, dev);
-  TVM_FFI_CHECK(dout.ndim() == 3, ValueError) << "do must be [T, H, 128]";
-  check_tok(dout, "do", dout.size(0), H, kDLBfloat, 16, dev);
-  B::Args a = base_args(chunks, runs, H, prep);
+  check_dout(dout, H, dev);
+  B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
   a.dout = dout.data_ptr();
   a.dh = static_cast<float*>(dh.data_ptr());
   a.dstate_out = optional_state(dstate_out, "dstate_out", H, dev);
@@ -121,40 +131,14 @@ void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorVie
 // Forward summaries (M, E) of segments (rows (first chunk, count, out idx, 0)) from a zero state.
 void bwd_fwd_summary(TensorView prep, TensorView chunks, TensorView segs, TensorView m, TensorView e) {
   const int dev = prep.device().device_id;
-  check_table(chunks, "chunk table", 2, dev);
-  check_table(segs, "segment table", 4, dev);
   TVM_FFI_CHECK(m.ndim() == 4, ValueError) << "M must be [n, H, 128, 128]";
   const int64_t H = m.size(1);
   check_state(m, "M", -1, H, dev);
   check_state(e, "E", m.size(0), H, dev);
-  check_prep(prep, chunks.size(0), H, dev);
-  B::Args a = base_args(chunks, segs, H, prep);
+  B::Args a = walk_args(prep, chunks, segs, "segment table", H, dev);
   a.m_out = static_cast<float*>(m.data_ptr());
   a.e_out = static_cast<float*>(e.data_ptr());
   raise_on(B::launch_fwd_summary(a, stream_of(m)), "kda bwd_fwd_summary launch");
-}
-
-// Fold summaries along chains (first summary, count, init idx or -1, first out slot) in FP32:
-// X = init (state_in / dstate_out row, or zero); X = M X + E per summary, each X written to out.
-void bwd_fold(TensorView m, TensorView e, TensorView chains, TensorView init, TensorView out, bool rev) {
-  const int dev = m.device().device_id;
-  TVM_FFI_CHECK(m.ndim() == 4, ValueError) << "M must be [n, H, 128, 128]";
-  const int64_t H = m.size(1);
-  check_state(m, "M", -1, H, dev);
-  check_state(e, "E", m.size(0), H, dev);
-  check_state(out, "fold output", -1, H, dev);
-  check_table(chains, "chain table", 4, dev);
-  B::Args a{};
-  a.runs = static_cast<const int32_t*>(chains.data_ptr());
-  a.nruns = static_cast<int>(chains.size(0));
-  a.H = static_cast<int>(H);
-  a.m_sum = static_cast<const float*>(m.data_ptr());
-  a.e_sum = static_cast<const float*>(e.data_ptr());
-  a.fold_out = static_cast<float*>(out.data_ptr());
-  const float* init_states = optional_state(init, "initial states", H, dev);
-  if (rev) a.dstate_out = init_states;
-  else a.state_in = init_states;
-  raise_on(B::launch_fold(a, rev, stream_of(m)), "kda bwd_fold launch");
 }
 
 // Backward summaries of runs or segments (rows (first chunk, count, out index, 0)) from a zero dS:
@@ -162,16 +146,12 @@ void bwd_fold(TensorView m, TensorView e, TensorView chains, TensorView init, Te
 void bwd_rev_summary(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView mt,
                      TensorView f) {
   const int dev = prep.device().device_id;
-  check_table(chunks, "chunk table", 2, dev);
-  check_table(runs, "run table", 4, dev);
   TVM_FFI_CHECK(mt.ndim() == 4, ValueError) << "Mt must be [n, H, 128, 128]";
   const int64_t H = mt.size(1);
   check_state(mt, "Mt", -1, H, dev);
   check_state(f, "F", mt.size(0), H, dev);
-  check_prep(prep, chunks.size(0), H, dev);
-  TVM_FFI_CHECK(dout.ndim() == 3, ValueError) << "do must be [T, H, 128]";
-  check_tok(dout, "do", dout.size(0), H, kDLBfloat, 16, dev);
-  B::Args a = base_args(chunks, runs, H, prep);
+  check_dout(dout, H, dev);
+  B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
   a.dout = dout.data_ptr();
   a.mt_out = static_cast<float*>(mt.data_ptr());
   a.f_out = static_cast<float*>(f.data_ptr());
@@ -216,5 +196,5 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_fwd_walk, bwd_fwd_walk);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_rev_walk, bwd_rev_walk);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_rev_summary, bwd_rev_summary);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_fwd_summary, bwd_fwd_summary);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_fold, bwd_fold);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_fold, kda::ffi_checks::merge_fold);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_grads, bwd_grads);

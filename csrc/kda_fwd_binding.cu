@@ -3,7 +3,7 @@
 // including the workspace of (chunk, head) records.
 #include <tvm/ffi/function.h>
 
-#include "kda_affine_merge.cuh"
+#include "kda_affine_merge_binding.h"
 #include "kda_ffi_checks.h"
 #include "kda_fwd.h"
 
@@ -105,44 +105,6 @@ void fwd_walk_summary(TensorView v, TensorView ws, TensorView chunks, TensorView
            "kda fwd_walk_summary launch");
 }
 
-kda::MergeArgs merge_args(const TensorView& m, const TensorView& e, const TensorView& chains) {
-  const int dev = m.device().device_id;
-  TVM_FFI_CHECK(m.ndim() == 4, ValueError) << "M must be [n, H, 128, 128]";
-  const int64_t H = m.size(1);
-  check_state(m, "M", -1, H, dev);
-  check_state(e, "E", m.size(0), H, dev);
-  check_table(chains, "chain table", 4, dev);
-  kda::MergeArgs a{};
-  a.m = static_cast<const float*>(m.data_ptr());
-  a.e = static_cast<const float*>(e.data_ptr());
-  a.chains = static_cast<const int32_t*>(chains.data_ptr());
-  a.nchain = static_cast<int>(chains.size(0));
-  a.H = static_cast<int>(H);
-  return a;
-}
-
-// S_in of each later segment: fold (M, E) along chains (first, count, init run or -1, out) into sin_out,
-// from state_in (numel 0 = zero).
-void merge_fold(TensorView m, TensorView e, TensorView chains, TensorView state_in, TensorView sin_out) {
-  kda::MergeArgs a = merge_args(m, e, chains);
-  const int dev = m.device().device_id;
-  check_state(sin_out, "segment states", -1, a.H, dev);
-  a.out0 = static_cast<float*>(sin_out.data_ptr());
-  a.init = optional_state(state_in, "state_in", a.H, dev);
-  raise_on(kda::launch_merge_fold(a, stream_of(m)), "kda merge_fold launch");
-}
-
-// Whole-chain summaries: M_out[out] = M_last ... M_first, E_out[out] the composed offset.
-void merge_compose(TensorView m, TensorView e, TensorView chains, TensorView m_out, TensorView e_out) {
-  kda::MergeArgs a = merge_args(m, e, chains);
-  const int dev = m.device().device_id;
-  check_state(m_out, "M_out", -1, a.H, dev);
-  check_state(e_out, "E_out", m_out.size(0), a.H, dev);
-  a.out0 = static_cast<float*>(m_out.data_ptr());
-  a.out1 = static_cast<float*>(e_out.data_ptr());
-  raise_on(kda::launch_merge_compose(a, stream_of(m)), "kda merge_compose launch");
-}
-
 int64_t fwd_record_bytes() { return kda::kFwdRecordBytes; }
 
 }  // namespace
@@ -150,6 +112,6 @@ int64_t fwd_record_bytes() { return kda::kFwdRecordBytes; }
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_prep, fwd_prep);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_walk_output, fwd_walk_output);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_walk_summary, fwd_walk_summary);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_fold, merge_fold);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_compose, merge_compose);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_fold, kda::ffi_checks::merge_fold);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_compose, kda::ffi_checks::merge_compose);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_record_bytes, fwd_record_bytes);

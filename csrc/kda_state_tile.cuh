@@ -58,4 +58,24 @@ __device__ __forceinline__ void state_tile_rank16(float (&ST)[16][4], const uint
   }
 }
 
+// acc (16 rows x 64 columns, mma accumulators) += (-1)^NEG S^T B, S^T the A operand carried as hi + lo,
+// B bf16 sw128 stored [key][column] (W or Kg of the backward walks).
+template <bool NEG>
+__device__ __forceinline__ void state_tile_mul(float (&acc)[8][4], const float (&ST)[16][4], const __nv_bfloat16* B,
+                                               int lane) {
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    uint32_t sh[4], sl[4];
+    split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
+    if constexpr (NEG) negate_split(sh, sl);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t b[4];
+      ldb<128>(b, B, ks * 16, np * 16, lane);
+      mma_n16(acc[2 * np], acc[2 * np + 1], sh, b);
+      mma_n16(acc[2 * np], acc[2 * np + 1], sl, b);
+    }
+  }
+}
+
 }  // namespace kda

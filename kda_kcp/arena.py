@@ -24,7 +24,7 @@ def aligned(nbytes: int) -> int:
 
 def tensor_bytes(shape, dtype: torch.dtype) -> int:
     """Aligned bytes one carve of ``shape`` and ``dtype`` takes."""
-    return aligned(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+    return aligned(math.prod(shape) * dtype.itemsize)
 
 
 class Arena:
@@ -46,7 +46,7 @@ class Arena:
                 f"workspace too small for {self.what}: needs at least {end} bytes of arena, has "
                 f"{self.buffer.numel()}; size it with kda_workspace_bytes_kcp(ctx, num_heads, ...) for this context"
             )
-        used = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        used = math.prod(shape) * dtype.itemsize
         t = self.buffer[self.offset:self.offset + used].view(dtype).view(shape)
         self.offset = end
         self.peak = max(self.peak, end)

@@ -104,7 +104,7 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     xbuf = workspace.take(numel, dt, device, "the KCP exchange") if numel else None
     arena = None
     if backend.name == "cuda":
-        start = aligned(numel * torch.empty((), dtype=dt).element_size())
+        start = aligned(numel * dt.itemsize)
         arena = Arena(workspace.buffer[start:need], device)
     return xbuf, arena
 

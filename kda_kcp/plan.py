@@ -66,6 +66,13 @@ class LocalPlan:
     def num_runs(self) -> int:
         return len(self.runs)
 
+    @property
+    def num_chunks(self) -> int:
+        """Chunks of every run (counted once, then cached)."""
+        if "num_chunks" not in self._tables:
+            self._tables["num_chunks"] = sum(run.num_chunks(self.chunk_size) for run in self.runs)
+        return self._tables["num_chunks"]
+
     def chunk_bounds(self) -> list[tuple[int, int, int]]:
         """(local_start, length, run) of every chunk, runs in order, chunks in token order."""
         out = []

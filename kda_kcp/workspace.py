@@ -57,7 +57,7 @@ def _heads(num_heads) -> int:
 def _elt(dtype) -> int:
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def exchange_elements(ctx, num_heads: int, head_dim: int, value_dim: int | None = None) -> int:
@@ -156,7 +156,7 @@ class WorkspaceKcp:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
         """The first ``numel`` elements of the buffer as ``dtype``; raises if the buffer is too small."""
-        need = numel * torch.empty((), dtype=dtype).element_size()
+        need = numel * dtype.itemsize
         if need > self.nbytes:
             raise ValueError(
                 f"workspace too small for {what}: needs {need} bytes, has {self.nbytes}; size it with "

@@ -22,7 +22,7 @@ import os
 import torch
 
 from ..arena import Arena, tensor_bytes
-from .common import _D, _c, check_tensors
+from .common import _D, _c, check_tensors, state_bytes
 
 __all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
            "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load"]
@@ -31,7 +31,7 @@ PREP_BYTES = 131584  # one prep record per (chunk, head); kda_bwd.h kPrepBytes
 STATE_BYTES = _D * _D * 4
 
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
-ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "bwd_rev_summary", "bwd_fold",
+ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "bwd_rev_summary", "merge_fold",
                 "bwd_grads")
 
 
@@ -242,19 +242,11 @@ def _summary_tables(plan, run_ids, device, own_chunks: bool):
     return cache[key]
 
 
-def _states(n: int, H: int) -> int:
-    return tensor_bytes((n, H, _D, _D), torch.float32)
-
-
-def _num_chunks(plan) -> int:
-    return sum(r.num_chunks(plan.chunk_size) for r in plan.runs)
-
-
 def records_arena_bytes(plan, num_heads: int, passes: int | None = None) -> int:
     """Arena bytes of a ``PreparedBackward``'s records: every chunk's prep record (replay), none (lean)."""
     if plan.num_tokens == 0 or plan.num_runs == 0 or passes is not None:
         return 0
-    return tensor_bytes((_num_chunks(plan) * num_heads * PREP_BYTES,), torch.uint8)
+    return tensor_bytes((plan.num_chunks * num_heads * PREP_BYTES,), torch.uint8)
 
 
 def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -> int:
@@ -266,14 +258,14 @@ def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -
     H = num_heads
     st = _seg_tables(plan, H, device)
     if passes is None:
-        n = 2 * _states(_num_chunks(plan), H)
+        n = 2 * state_bytes(plan.num_chunks, H)
     else:
         nc = max((p.num_chunks for p in _lean_passes(plan, H, device, passes)), default=0)
-        n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + 2 * _states(nc, H)
+        n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + 2 * state_bytes(nc, H)
     if st.num_sum_f:  # summaries M, E and their fold
-        n += 2 * _states(st.num_sum_f, H) + _states(st.num_fold_f, H)
+        n += 2 * state_bytes(st.num_sum_f, H) + state_bytes(st.num_fold_f, H)
     if st.num_sum_r:
-        n += 2 * _states(st.num_sum_r, H) + _states(st.num_fold_r, H)
+        n += 2 * state_bytes(st.num_sum_r, H) + state_bytes(st.num_fold_r, H)
     return n
 
 
@@ -281,7 +273,7 @@ def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = No
     """Arena bytes ``PreparedBackward.summaries`` carves after the records, its results (Mt, F) included
     (lean: also the listed runs' prep records)."""
     run_ids = tuple(int(r) for r in run_ids)
-    n = 2 * _states(len(run_ids), num_heads)
+    n = 2 * state_bytes(len(run_ids), num_heads)
     if run_ids and passes is not None:
         nc = sum(plan.runs[r].num_chunks(plan.chunk_size) for r in run_ids)
         n += tensor_bytes((nc * num_heads * PREP_BYTES,), torch.uint8)
@@ -370,14 +362,14 @@ class PreparedBackward:
             e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
             mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
-            mod.bwd_fold(m, e, st.fchains, sin, ffold, False)
+            mod.merge_fold(m, e, st.fchains, sin, ffold)
         mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
         if st.num_sum_r:
             mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
-            mod.bwd_fold(mt, f, st.rchains, dso, rfold, True)
+            mod.merge_fold(mt, f, st.rchains, dso, rfold)
         mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
         mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
         return grads
@@ -425,10 +417,10 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
                 mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f)
         if st.num_sum_f:
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
-            mod.bwd_fold(m, e, st.fchains, sin, ffold, False)
+            mod.merge_fold(m, e, st.fchains, sin, ffold)
         if st.num_sum_r:
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
-            mod.bwd_fold(mt, f, st.rchains, dso, rfold, True)
+            mod.merge_fold(mt, f, st.rchains, dso, rfold)
     dq, dk, dv, dg, dbeta = grads
     for p in lean:
         prep, h, dh = views(p)

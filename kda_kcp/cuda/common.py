@@ -1,17 +1,19 @@
-"""What the CUDA backend's wrappers share: the head dim, tensor checks, small tensor helpers."""
+"""What the CUDA backend's wrappers share: the head dim, tensor checks, state byte counts."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["_D", "_c", "_none", "check_tensors"]
+__all__ = ["_D", "_c", "check_tensors", "state_bytes"]
 
 _D = 128  # the kernels' head dim (K = V)
 
 
-def _none(device) -> torch.Tensor:
-    """An empty FP32 tensor standing for an absent optional argument of a binding."""
-    return torch.empty(0, dtype=torch.float32, device=device)
+def state_bytes(n: int, heads: int) -> int:
+    """Arena bytes of n states (or summaries) [n, H, 128, 128] fp32."""
+    from ..arena import tensor_bytes
+
+    return tensor_bytes((n, heads, _D, _D), torch.float32)
 
 
 def _c(x: torch.Tensor) -> torch.Tensor:

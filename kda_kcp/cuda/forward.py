@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..arena import Arena, tensor_bytes
-from .common import _D, _c, check_tensors
+from .common import _D, _c, check_tensors, state_bytes
 
 __all__ = ["load", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
            "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
@@ -207,10 +207,6 @@ def _state_shape(n: int, H: int) -> tuple[int, int, int, int]:
     return (n, H, _D, _D)
 
 
-def _states(n: int, H: int) -> int:
-    return tensor_bytes(_state_shape(n, H), torch.float32)
-
-
 def records_arena_bytes(plan, heads: int, device) -> int:
     """Arena bytes of a ``PreparedForward``'s records (every chunk of the plan)."""
     tabs = forward_tables(plan, heads, device)
@@ -224,17 +220,17 @@ def output_arena_bytes(plan, heads: int, device) -> int:
     tabs = forward_tables(plan, heads, device)
     if records_arena_bytes(plan, heads, device) == 0 or tabs.num_summary == 0:
         return 0
-    return 2 * _states(tabs.num_summary, heads) + _states(tabs.num_sin, heads)
+    return 2 * state_bytes(tabs.num_summary, heads) + state_bytes(tabs.num_sin, heads)
 
 
 def summaries_arena_bytes(plan, heads: int, run_ids, device) -> int:
     """Arena bytes ``PreparedForward.summaries`` carves after the records, its results (M, E) included."""
     run_ids = tuple(int(r) for r in run_ids)
-    n = 2 * _states(len(run_ids), heads)
+    n = 2 * state_bytes(len(run_ids), heads)
     if run_ids:
         tabs = forward_tables(plan, heads, device, run_ids=run_ids)
         if tabs.num_summary > 0:
-            n += 2 * _states(tabs.num_summary, heads)
+            n += 2 * state_bytes(tabs.num_summary, heads)
     return n
 
 
