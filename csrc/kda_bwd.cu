@@ -207,7 +207,10 @@ constexpr int P_BETA = P_L + C * LDL * 4;
 constexpr int P_SMEM = P_BETA + 256;
 static_assert(P_X + 16384 <= P_L, "prep phase 2 overflows");
 
-__global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
+// NT threads (256 or 512): the element loops stride by NT; the W / U products split their 128 columns over
+// NT / 128 warp columns (the k order of every product is the same, so the record is bitwise the same).
+template <int NT>
+__global__ void __launch_bounds__(NT, 1) prep_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x, h = blockIdx.y, H = a.H;
@@ -233,15 +236,15 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
 
   const int64_t gs = static_cast<int64_t>(H) * D;
   const int64_t base = (tok * H + h) * D;
-  load_bf16<128, NTH>(sQ, static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
-  load_bf16<128, NTH>(sK, static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
-  load_bf16<128, NTH>(sV, static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
-  load_f32<NTH>(sG, D, a.g + base, gs, C, D, nrows, tid);
+  load_bf16<128, NT>(sQ, static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
+  load_bf16<128, NT>(sK, static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
+  load_bf16<128, NT>(sV, static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
+  load_f32<NT>(sG, D, a.g + base, gs, C, D, nrows, tid);
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
   cp_async_wait_all();
   __syncthreads();
-  cumsum_rows<false>(sG, tid);
+  cumsum_rows<false, NT>(sG, tid);
 
   char* rec = a.prep + (static_cast<int64_t>(c) * H + h) * kPrepBytes;
   bf16* gW = reinterpret_cast<bf16*>(rec + kRecW);
@@ -256,7 +259,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
   float* gGam = reinterpret_cast<float*>(rec + kRecGam);
 
   // anchored row operands: x_id exp(G_id - G_{a(i) d}) (<= |x|)
-  for (int p = tid; p < C * D / 2; p += NTH) {
+  for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
     const int ar = r & ~15;
     const float e0 = fexp(sG[r * D + d] - sG[ar * D + d]), e1 = fexp(sG[r * D + d + 1] - sG[ar * D + d + 1]);
@@ -265,7 +268,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
     st2<128>(sQrh, sQrl, r, d, qq.x * e0, qq.y * e1);
   }
   // zero the strictly upper blocks of P and Aqk (never computed)
-  for (int p = tid; p < C * C; p += NTH) {
+  for (int p = tid; p < C * C; p += NT) {
     const int r = p >> 6, cc = p & 63;
     if ((cc >> 4) > (r >> 4)) {
       gP[p] = 0.f;
@@ -275,7 +278,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
   }
   for (int I = 0; I < 4; ++I) {
     // Cc_I rows j < 16 (I + 1): k_jd exp(G_{16 I, d} - G_jd)
-    for (int p = tid; p < 16 * (I + 1) * (D / 2); p += NTH) {
+    for (int p = tid; p < 16 * (I + 1) * (D / 2); p += NT) {
       const int j = p >> 6, d = (p & 63) * 2;
       const float e0 = fexp(sG[16 * I * D + d] - sG[j * D + d]);
       const float e1 = fexp(sG[16 * I * D + d + 1] - sG[j * D + d + 1]);
@@ -312,7 +315,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
   }
 
   // ---- A = (I + L)^-1: diagonal blocks by substitution, then off-diagonal blocks by level ----
-  for (int p = tid; p < C * C; p += NTH) {
+  for (int p = tid; p < C * C; p += NT) {
     const int r = p >> 6, cc = p & 63;
     if ((cc >> 4) > (r >> 4)) sA[r * LDL + cc] = 0.f;
   }
@@ -320,7 +323,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
   __syncthreads();
   for (int lev = 1; lev < 4; ++lev) {
     const int np = 4 - lev;
-    for (int e = tid; e < np * 256; e += NTH) {
+    for (int e = tid; e < np * 256; e += NT) {
       const int p = e >> 8, r = (e >> 4) & 15, cl = e & 15;
       const int I = lev + p, J = p;
       float s = 0.f;
@@ -328,7 +331,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
       sPt[p * 256 + r * 16 + cl] = s;
     }
     __syncthreads();
-    for (int e = tid; e < np * 256; e += NTH) {
+    for (int e = tid; e < np * 256; e += NT) {
       const int p = e >> 8, r = (e >> 4) & 15, cl = e & 15;
       const int I = lev + p, J = p;
       float s = 0.f;
@@ -339,7 +342,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
     __syncthreads();
   }
   // A (hi, lo) to the record; A diag(beta) to shared; X = K o exp(G); Kg, s Qg, gamma to the record
-  for (int p = tid; p < C * C / 2; p += NTH) {
+  for (int p = tid; p < C * C / 2; p += NT) {
     const int r = p >> 5, cc = (p & 31) * 2;
     const float a0 = sA[r * LDL + cc], a1 = sA[r * LDL + cc + 1];
     uint32_t hi, lo;
@@ -348,7 +351,7 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
     *reinterpret_cast<uint32_t*>(gAL + r * C + cc) = lo;
     st2<64>(sAbh, sAbl, r, cc, a0 * sBeta[cc], a1 * sBeta[cc + 1]);
   }
-  for (int p = tid; p < C * D / 2; p += NTH) {
+  for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
     const float G0 = sG[r * D + d], G1 = sG[r * D + d + 1];
     const float L0 = sG[63 * D + d], L1 = sG[63 * D + d + 1];
@@ -361,15 +364,16 @@ __global__ void __launch_bounds__(NTH, 1) prep_kernel(const Args a) {
   }
   __syncthreads();
   {
-    const int m0 = 16 * (warp & 3), n0 = 64 * (warp >> 2);
-    float acc[1][8][4];
+    constexpr int NCOL = D / (NT / 128);  // output columns per warp
+    const int m0 = 16 * (warp & 3), n0 = NCOL * (warp >> 2);
+    float acc[1][NCOL / 8][4];
     zero(acc);
-    wgemm<1, 8, 64, false, true, 128, true, false>(acc, sAbh, sAbl, m0, 0, sX, nullptr, n0, 0, m0 + 16, lane);
+    wgemm<1, NCOL / 8, 64, false, true, 128, true, false>(acc, sAbh, sAbl, m0, 0, sX, nullptr, n0, 0, m0 + 16, lane);
     epi(acc, m0, n0, lane, [&](int r, int cc, float& x0, float& x1) {
       *reinterpret_cast<uint32_t*>(gW + r * D + cc) = pack_bf16(x0, x1);
     });
     zero(acc);
-    wgemm<1, 8, 64, false, true, 128, true, false>(acc, sAbh, sAbl, m0, 0, sV, nullptr, n0, 0, m0 + 16, lane);
+    wgemm<1, NCOL / 8, 64, false, true, 128, true, false>(acc, sAbh, sAbl, m0, 0, sV, nullptr, n0, 0, m0 + 16, lane);
     epi(acc, m0, n0, lane, [&](int r, int cc, float& x0, float& x1) {
       *reinterpret_cast<float2*>(gU + r * D + cc) = make_float2(x0, x1);
     });
@@ -1057,9 +1061,10 @@ cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cuda
 
 }  // namespace
 
-cudaError_t launch_prep(const Args& a, cudaStream_t s) {
+cudaError_t launch_prep(const Args& a, int warps, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
-  return launch(prep_kernel, dim3(a.nchunks, a.H), NTH, P_SMEM, a, s);
+  if (warps == 16) return launch(prep_kernel<512>, dim3(a.nchunks, a.H), 512, P_SMEM, a, s);
+  return launch(prep_kernel<256>, dim3(a.nchunks, a.H), 256, P_SMEM, a, s);
 }
 cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;

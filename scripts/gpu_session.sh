@@ -10,6 +10,8 @@
 #   nccl       tests/gpu/test_kcp_nccl.py (W = 2 over NCCL; needs 2 GPUs)
 #   bench1     benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS (ops $OPS, arms det nd control fla)
 #   bench2     benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 (all layouts, arms + fla_cp)
+#   ab         the backward's det arm at H in $HEADS under each value of $AB_VAR in $AB_VALUES (default: the
+#              gradient kernel's warps, KDA_KCP_BWD_GRADS_WARPS = 8 16), no FLA, no oracle
 #   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16
 #   sanitize   compute-sanitizer memcheck, racecheck, initcheck on one small fwd + bwd (scripts/profile_step.py)
 #   demo       python -m kda_kcp.demo (the README's main command)
@@ -80,6 +82,13 @@ for st in "$@"; do
       timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 --ops $OPS \
         ${BENCH2_ARGS:-} --json "$OUT/bench_w2.json" --plot "$OUT/bench_w2.png" > "$OUT/bench_w2.log" 2>&1
       add "bench2 rc=$?"; tail -60 "$OUT/bench_w2.log";;
+    ab)
+      for v in ${AB_VALUES:-8 16}; do
+        env "${AB_VAR:-KDA_KCP_BWD_GRADS_WARPS}=$v" timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py \
+          --world 1 --heads $HEADS --ops ${AB_OPS:-bwd} --arms det --groups 2 --iters 5 --no-oracle \
+          --json "$OUT/ab_$v.json" > "$OUT/ab_$v.log" 2>&1
+        add "ab ${AB_VAR:-KDA_KCP_BWD_GRADS_WARPS}=$v rc=$?: $(grep -E '^\| ' "$OUT/ab_$v.log" | tail -4 | tr '\n' ' ')"
+      done;;
     ncu)
       timeout $(( $(left) - 20 )) ncu --clock-control none --launch-skip 0 --launch-count 12 \
         --kernel-name-base demangled -k "regex:prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" --section SpeedOfLight --section Occupancy \

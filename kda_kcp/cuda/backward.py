@@ -35,13 +35,25 @@ ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "
                 "bwd_grads")
 
 
-def _grads_warps() -> int:
-    """Warps per CTA of the gradient kernel: 8 (measured, the default) or 16 (``KDA_KCP_BWD_GRADS_WARPS=16``:
-    half the accumulator registers per thread, twice the warps per SM; NOTES.md, session 2)."""
-    w = int(os.environ.get("KDA_KCP_BWD_GRADS_WARPS", "8") or 8)
+def _warps(var: str, default: int) -> int:
+    """Warps per CTA of a per-chunk kernel, 8 or 16, overridable by the environment variable ``var``."""
+    w = int(os.environ.get(var, "") or default)
     if w not in (8, 16):
-        raise ValueError(f"KDA_KCP_BWD_GRADS_WARPS must be 8 or 16, got {w}")
+        raise ValueError(f"{var} must be 8 or 16, got {w}")
     return w
+
+
+def _grads_warps() -> int:
+    """Warps per CTA of the gradient kernel: 16 (the default: half the accumulator registers per thread,
+    twice the warps per SM; 47.9 ms against 69.9 ms for 8 warps, bwd at H = 16, NOTES.md session 3)
+    or 8 (``KDA_KCP_BWD_GRADS_WARPS=8``)."""
+    return _warps("KDA_KCP_BWD_GRADS_WARPS", 16)
+
+
+def _prep_warps() -> int:
+    """Warps per CTA of the backward prep: 8 (the default) or 16 (``KDA_KCP_BWD_PREP_WARPS=16``); the
+    records are bitwise the same."""
+    return _warps("KDA_KCP_BWD_PREP_WARPS", 8)
 
 
 def load(device=None):
@@ -318,7 +330,7 @@ class PreparedBackward:
         if self.active and passes is None:
             chunks, _ = _tables(plan, self.dev)
             self.prep = self.arena.empty((chunks.shape[0] * self.H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, self.prep, self.scale)
+            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, self.prep, self.scale, _prep_warps())
 
     def summaries(self, run_ids):
         """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F."""
@@ -332,7 +344,7 @@ class PreparedBackward:
         prep = self.prep
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale)
+            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale, _prep_warps())
         self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F)
         return Mt, F
 
@@ -410,7 +422,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
             if not p.has_summaries:
                 continue
             prep, _, _ = views(p)
-            mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
+            mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
             if p.fsum.shape[0]:
                 mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e)
             if p.rsum.shape[0]:
@@ -424,7 +436,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     dq, dk, dv, dg, dbeta = grads
     for p in lean:
         prep, h, dh = views(p)
-        mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
+        mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
         mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h)
         mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh)
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())

@@ -65,7 +65,10 @@ def test_stages_match_torch_stages():
     h = torch.full((nc, H, 128, 128), float("nan"), device=DEV)
     dh = torch.full_like(h, float("nan"))
     e0 = torch.empty(0, device=DEV)
-    mod.bwd_prep(*inputs, chunks, prep, SCALE)
+    mod.bwd_prep(*inputs, chunks, prep, SCALE, 8)
+    prep16 = torch.full_like(prep, 255)
+    mod.bwd_prep(*inputs, chunks, prep16, SCALE, 16)
+    assert torch.equal(prep16, prep), "the 16-warp prep's records differ from the 8-warp prep's"
     mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h)
     mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh)
     torch.cuda.synchronize()
@@ -221,23 +224,28 @@ def test_deterministic_bitwise_over_5_calls_and_nondet_close():
 
 
 def test_sixteen_warp_gradient_kernel(monkeypatch):
-    """KDA_KCP_BWD_GRADS_WARPS=16 (half the accumulator registers per thread, twice the warps per SM):
-    dq, dk, dv bitwise equal to the 8-warp kernel (each element is accumulated in the same order); dg and
-    dbeta within FP32 reassociation (their row and column partial sums are grouped differently); bitwise
-    repeatable; within the FP64 tolerances."""
+    """The 16-warp gradient kernel (the default: half the accumulator registers per thread, twice the warps
+    per SM) against the 8-warp one (KDA_KCP_BWD_GRADS_WARPS=8): dq, dk, dv bitwise equal (each element is
+    accumulated in the same order); dg and dbeta within FP32 reassociation (their row and column partial
+    sums are grouped differently); bitwise repeatable; within the FP64 tolerances. The 16-warp prep
+    (KDA_KCP_BWD_PREP_WARPS=16) leaves every gradient bitwise unchanged."""
     gen = torch.Generator().manual_seed(SEED + 600)
     cu = random_docs(9000, gen)
     inputs, do = make_inputs(cu[-1], 4, gen)
     plan = local_plan(cu)
+    monkeypatch.setenv("KDA_KCP_BWD_GRADS_WARPS", "8")
     ref = run_bwd(inputs, do, plan)
     monkeypatch.setenv("KDA_KCP_BWD_GRADS_WARPS", "16")
     got = run_bwd(inputs, do, plan)
     again = run_bwd(inputs, do, plan)
+    monkeypatch.setenv("KDA_KCP_BWD_PREP_WARPS", "16")
+    prep16 = run_bwd(inputs, do, plan)
     oracle = oracle_grads(inputs, do, cu)
-    for name, x, x2, r, o64 in zip(NAMES, got, again, ref, oracle):
+    for name, x, x2, x3, r, o64 in zip(NAMES, got, again, prep16, ref, oracle):
         e8, e64 = rel(x, r), rel(x, o64)
         print(f"16 warps {name}: vs 8 warps {e8:.2e}, vs FP64 {e64:.2e}")
         assert torch.equal(x, x2), name
+        assert torch.equal(x, x3), f"{name}: the 16-warp prep changed it"
         assert e64 <= TOL[name], name
         if name in ("dq", "dk", "dv"):
             assert torch.equal(x, r), name
