@@ -52,10 +52,12 @@ for st in "$@"; do
   case "$st" in
     warm)
       for h in $HEADS; do
-        python3 scripts/warm_fla_cache.py --heads "$h" --device $(( ngpu - 1 )) >> "$OUT/warm.log" 2>&1 &
+        timeout $(( $(left) - 60 )) python3 scripts/warm_fla_cache.py --heads "$h" --device $(( ngpu - 1 )) \
+          >> "$OUT/warm.log" 2>&1 &
         warm_pids+=($!)
         if [ "${WARM_CP:-0}" = 1 ] && [ "$ngpu" -ge 2 ]; then  # FLA's CP kernels too (two ranks per head count)
-          python3 scripts/warm_fla_cache.py --cp --heads "$h" --port $(( 29700 + h )) >> "$OUT/warm.log" 2>&1 &
+          timeout $(( $(left) - 60 )) python3 scripts/warm_fla_cache.py --cp --heads "$h" --port $(( 29700 + h )) \
+            >> "$OUT/warm.log" 2>&1 &
           warm_pids+=($!)
         fi
       done;;

@@ -51,9 +51,9 @@ def _grads_warps() -> int:
 
 
 def _prep_warps() -> int:
-    """Warps per CTA of the backward prep: 8 (the default) or 16 (``KDA_KCP_BWD_PREP_WARPS=16``); the
-    records are bitwise the same."""
-    return _warps("KDA_KCP_BWD_PREP_WARPS", 8)
+    """Warps per CTA of the backward prep: 16 (the default; bitwise the same records as 8, and bwd 47.6 ->
+    46.8 ms at H = 16, 179.4 -> 176.9 ms at H = 64, NOTES.md session 3) or 8 (``KDA_KCP_BWD_PREP_WARPS=8``)."""
+    return _warps("KDA_KCP_BWD_PREP_WARPS", 16)
 
 
 def load(device=None):
