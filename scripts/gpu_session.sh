@@ -7,6 +7,7 @@
 #              head count in $HEADS, on the last GPU; WARM_CP=1 adds FLA's CP path, two ranks per head
 #              count); bench stages wait for them
 #   tests      the one-GPU tests: tests/gpu/test_workspace_cuda.py, test_fwd_cuda.py, test_bwd_cuda.py
+#              (or the files in $TEST_FILES)
 #   nccl       tests/gpu/test_kcp_nccl.py (W = 2 over NCCL; needs 2 GPUs)
 #   bench1     benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS (ops $OPS, arms det nd control fla)
 #   bench2     benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 (all layouts, arms + fla_cp)
@@ -63,7 +64,8 @@ for st in "$@"; do
       done;;
     tests)
       timeout $(( $(left) - 30 )) python3 -m pytest -q -s -p no:cacheprovider --durations=8 \
-        tests/gpu/test_workspace_cuda.py tests/gpu/test_fwd_cuda.py tests/gpu/test_bwd_cuda.py > "$OUT/tests.log" 2>&1
+        ${TEST_FILES:-tests/gpu/test_workspace_cuda.py tests/gpu/test_fwd_cuda.py tests/gpu/test_bwd_cuda.py} \
+        > "$OUT/tests.log" 2>&1
       grep -E "rel|vs |passed|failed|Error|assert" "$OUT/tests.log" | tail -40
       add "tests: $(tail -1 "$OUT/tests.log")";;
     nccl)
