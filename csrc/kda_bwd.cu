@@ -430,12 +430,6 @@ __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, i
 // when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written.
 // SUMMARY: virtual columns [M (0..127) | E (128..255)] of the segment's affine map from a zero state,
 // grid.z = 4, written to m_out[idx] / e_out[idx] (M indexed [key_out][key_in]).
-// Stages: the summary double-buffers its chunk loads (it is on the critical path of the segmented walks);
-// the walk has one stage (50 KB of shared memory), so that a walk CTA fits on an SM beside a reverse-walk
-// CTA (148 KB): the two walks are independent and run concurrently (kda_kcp/cuda/backward.py).
-template <bool SUMMARY>
-constexpr int kFwdWalkStages = SUMMARY ? 2 : 1;
-
 template <bool SUMMARY>
 __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
@@ -457,16 +451,11 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
     }
     state_tile_init<!SUMMARY>(ST, src, !withU, vcol, g4, l4);
   }
-  constexpr bool kDouble = kFwdWalkStages<SUMMARY> == 2;
   if (nc > 0) fwd_stage_load(smem, a, first, h, col0, withU, tid);
   cp_async_commit();
   for (int j = 0; j < nc; ++j) {
-    char* st = smem + (kDouble ? (j & 1) * FW_STAGE : 0);
-    if (!kDouble && j > 0) {  // one stage: load this chunk now (the previous step has left the stage)
-      fwd_stage_load(smem, a, first + j, h, col0, withU, tid);
-      cp_async_commit();
-    }
-    if (kDouble && j + 1 < nc) {
+    char* st = smem + (j & 1) * FW_STAGE;
+    if (j + 1 < nc) {
       fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU, tid);
       cp_async_commit();
       cp_async_wait1();
@@ -497,7 +486,7 @@ __global__ void __launch_bounds__(WNW * 32) fwd_walk_kernel(const Args a) {
     decay_state(ST, sGam, l4);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
-    __syncthreads();  // the next iteration's load overwrites this stage (or the one prefetched into)
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
   if constexpr (SUMMARY) {
     float* dst = (withU ? a.e_out : a.m_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
@@ -1061,16 +1050,10 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   }
 }
 
-// max_shared: ask for the largest shared-memory carveout, so that an SM running a CTA of this kernel can
-// also take a CTA of the other walk (the walks run concurrently; an SM reconfigures only when idle).
 template <class K>
-cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cudaStream_t s, bool max_shared = false) {
+cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cudaStream_t s) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  if (max_shared) {
-    err = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    if (err != cudaSuccess) return err;
-  }
   kern<<<grid, threads, smem, s>>>(a);
   return cudaGetLastError();
 }
@@ -1084,17 +1067,15 @@ cudaError_t launch_prep(const Args& a, int warps, cudaStream_t s) {
 }
 cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
-  return launch(fwd_walk_kernel<false>, dim3(a.nruns, a.H, D / WCOLS), WNW * 32,
-                kFwdWalkStages<false> * FW_STAGE, a, s, true);
+  return launch(fwd_walk_kernel<false>, dim3(a.nruns, a.H, D / WCOLS), WNW * 32, 2 * FW_STAGE, a, s);
 }
 cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
-  return launch(fwd_walk_kernel<true>, dim3(a.nruns, a.H, 2 * D / WCOLS), WNW * 32,
-                kFwdWalkStages<true> * FW_STAGE, a, s);
+  return launch(fwd_walk_kernel<true>, dim3(a.nruns, a.H, 2 * D / WCOLS), WNW * 32, 2 * FW_STAGE, a, s);
 }
 cudaError_t launch_rev_walk(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
-  return launch(rev_walk_kernel<false>, dim3(a.nruns, a.H, D / WCOLS), WNW * 32, 2 * RW_STAGE, a, s, true);
+  return launch(rev_walk_kernel<false>, dim3(a.nruns, a.H, D / WCOLS), WNW * 32, 2 * RW_STAGE, a, s);
 }
 cudaError_t launch_rev_summary(const Args& a, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;

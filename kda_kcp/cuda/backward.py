@@ -16,7 +16,6 @@ indexed [run, head, key, value].
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 
@@ -55,37 +54,6 @@ def _prep_warps() -> int:
     """Warps per CTA of the backward prep: 16 (the default; bitwise the same records as 8, and bwd 47.6 ->
     46.8 ms at H = 16, 179.4 -> 176.9 ms at H = 64, NOTES.md session 3) or 8 (``KDA_KCP_BWD_PREP_WARPS=8``)."""
     return _warps("KDA_KCP_BWD_PREP_WARPS", 16)
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _fork(device):
-    """A side stream that starts after the work queued so far on the current stream, or None (CPU tensors,
-    or ``KDA_KCP_BWD_CONCURRENT_WALKS=0``). The forward walk (h) runs on it beside the reverse walk (dh) on
-    the current stream: the walks are independent (both read only the prep records), and an SM holds one
-    CTA of each (csrc/kda_bwd.cu, kFwdWalkStages). Events only: no host synchronization, and a CUDA graph
-    capture follows the fork and the join."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or os.environ.get("KDA_KCP_BWD_CONCURRENT_WALKS", "1").strip() == "0":
-        return None
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    side = _SIDE_STREAMS.get(idx)
-    if side is None:
-        side = _SIDE_STREAMS[idx] = torch.cuda.Stream(idx)
-    side.wait_stream(torch.cuda.current_stream(idx))
-    return side
-
-
-def _on(side):
-    """Launches inside run on ``side`` (the current stream when None)."""
-    return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
-
-
-def _join(side, device):
-    """The current stream waits for everything queued on ``side``."""
-    if side is not None:
-        torch.cuda.current_stream(torch.device(device)).wait_stream(side)
 
 
 def load(device=None):
@@ -401,16 +369,13 @@ class PreparedBackward:
         dh = arena.empty((nc, H, _D, _D), torch.float32)
         st = _seg_tables(self.plan, H, self.dev)
         ffold, rfold = e0, e0
-        if st.num_sum_f:  # carved (or allocated) on the current stream; used on the side stream only
+        if st.num_sum_f:
             m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
             e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
+            mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
-        side = _fork(self.dev)
-        with _on(side):  # the forward walk's chain, beside the reverse one below
-            if st.num_sum_f:
-                mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
-                mod.merge_fold(m, e, st.fchains, sin, ffold)
-            mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
+            mod.merge_fold(m, e, st.fchains, sin, ffold)
+        mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
         if st.num_sum_r:
             mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
@@ -418,7 +383,6 @@ class PreparedBackward:
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
             mod.merge_fold(mt, f, st.rchains, dso, rfold)
         mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
-        _join(side, self.dev)
         mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
         return grads
 
@@ -473,11 +437,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     for p in lean:
         prep, h, dh = views(p)
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
-        side = _fork(dev)
-        with _on(side):
-            mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h)
+        mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h)
         mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh)
-        _join(side, dev)
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())
 
 

@@ -251,22 +251,3 @@ def test_sixteen_warp_gradient_kernel(monkeypatch):
             assert torch.equal(x, r), name
         else:
             assert e8 <= 1e-5, name
-
-
-@pytest.mark.parametrize("seg", ["0", "3"])
-def test_concurrent_walks_bitwise(monkeypatch, seg):
-    """The forward walk on a side stream beside the reverse walk (the default) gives every gradient
-    bitwise equal to running them one after the other (KDA_KCP_BWD_CONCURRENT_WALKS=0), with whole-run
-    walks and with segmented walks (summaries and folds on both streams)."""
-    gen = torch.Generator().manual_seed(SEED + 700)
-    cu = random_docs(7000, gen)
-    inputs, do = make_inputs(cu[-1], 4, gen)
-    plan = local_plan(cu)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
-    monkeypatch.setenv("KDA_KCP_BWD_CONCURRENT_WALKS", "0")
-    serial = run_bwd(inputs, do, plan)
-    monkeypatch.setenv("KDA_KCP_BWD_CONCURRENT_WALKS", "1")
-    for _ in range(3):
-        got = run_bwd(inputs, do, plan)
-        for name, x, r in zip(NAMES, got, serial):
-            assert torch.equal(x, r), f"{name} (segments of {seg} chunks): concurrent walks differ from serial ones"
