@@ -56,6 +56,16 @@ def _prep_warps() -> int:
     return _warps("KDA_KCP_BWD_PREP_WARPS", 16)
 
 
+def _walk_warps() -> int:
+    """Warps per CTA of the backward walks and summaries: 4 (the default: each warp holds 16 state columns
+    x 128 keys) or 8 (``KDA_KCP_BWD_WALK_WARPS=8``: 16 columns x 64 keys each, the two key halves' partial
+    products summed through shared memory; written in session 3, not yet measured on a GPU)."""
+    w = int(os.environ.get("KDA_KCP_BWD_WALK_WARPS", "") or 4)
+    if w not in (4, 8):
+        raise ValueError(f"KDA_KCP_BWD_WALK_WARPS must be 4 or 8, got {w}")
+    return w
+
+
 def load(device=None):
     """The tvm_ffi module of kda_bwd (build.json) for the arch of ``device`` (kda_kcp.jit caches it)."""
     from ..jit import load_program
@@ -345,7 +355,7 @@ class PreparedBackward:
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
             self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale, _prep_warps())
-        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F)
+        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F, _walk_warps())
         return Mt, F
 
     def grads(self, state_in=None, dstate_out=None):
@@ -372,17 +382,17 @@ class PreparedBackward:
         if st.num_sum_f:
             m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
             e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
-            mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
+            mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e, _walk_warps())
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
             mod.merge_fold(m, e, st.fchains, sin, ffold)
-        mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
+        mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h, _walk_warps())
         if st.num_sum_r:
             mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
-            mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
+            mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f, _walk_warps())
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
             mod.merge_fold(mt, f, st.rchains, dso, rfold)
-        mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
+        mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh, _walk_warps())
         mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
         return grads
 
@@ -424,9 +434,9 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
             prep, _, _ = views(p)
             mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
             if p.fsum.shape[0]:
-                mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e)
+                mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e, _walk_warps())
             if p.rsum.shape[0]:
-                mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f)
+                mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f, _walk_warps())
         if st.num_sum_f:
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
             mod.merge_fold(m, e, st.fchains, sin, ffold)
@@ -437,8 +447,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     for p in lean:
         prep, h, dh = views(p)
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
-        mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h)
-        mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh)
+        mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h, _walk_warps())
+        mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh, _walk_warps())
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())
 
 
