@@ -4,8 +4,8 @@ Each spawned rank owns one GPU, builds the same inputs from one seed, runs the W
 the reference, then its shard of every layout, and gathers the shards back to global tensors. Checks:
 o and the five gradients against the W = 1 CUDA run (relative RMS <= 2e-3) and against the FP64 oracle
 (the forward / backward tolerances), det bitwise repeatable at W = 2, the checkpoint step equal to the
-plain step, nondet within 1e-4 of det, no host synchronization in a steady-state call, a workspace of
-exactly the queried size (bitwise the same results, nothing allocated but the outputs and the saved
+plain step, nondet within 1e-4 of det, no host synchronization in a steady-state call, the autograd
+context holding exactly kda_saved_bytes_kcp beyond the inputs, a workspace of exactly the queried size (bitwise the same results, nothing allocated but the outputs and the saved
 incoming states), fwd + bwd captured in a CUDA graph (NCCL included) replaying bitwise equal to eager
 calls on new inputs, and ranks that disagree on the context raising instead of hanging. Every rank reports
 every check; the tests below fail on any rank's failed checks.
@@ -118,6 +118,16 @@ def _worker(rank, world, init_file, seed, report_dir):
                     check(torch.equal(x, x2), "exact", f"{where}: det not bitwise repeatable at W=2")
                     check(torch.equal(x, xc), "exact", f"{where}: the checkpoint step differs from the plain step")
                     check(rel(xn, x) <= 1e-4, "exact", f"{where}: nondet vs det {rel(xn, x):.2e} > 1e-4")
+                # the autograd context holds exactly kda_saved_bytes_kcp beyond the inputs
+                leaves = [x.detach().clone().requires_grad_() for x in local]
+                held = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+                    kda_kcp.chunk_kda_kcp(*leaves, ctx)
+                ptrs = {x.untyped_storage().data_ptr() for x in leaves}
+                extra = sum(t.nbytes for t in held if t.untyped_storage().data_ptr() not in ptrs)
+                want = kda_kcp.kda_saved_bytes_kcp(ctx, H)
+                check(extra == want, "workspace", f"{case} {layout}: the autograd context holds {extra} B beyond the "
+                      f"inputs, kda_saved_bytes_kcp says {want}")
                 # a workspace of exactly the queried size: bitwise the same, only outputs (and the saved
                 # incoming states) allocated
                 ws = kda_kcp.WorkspaceKcp(ctx, H)
@@ -220,7 +230,8 @@ KINDS = {
     "exact": "o and gradients vs FP64, det bitwise at W = 2, checkpoint = plain, nondet = det, no host sync, "
              "disagreeing ranks raise",
     "w1": "W = 2 vs the W = 1 CUDA run within 2e-3",
-    "workspace": "a workspace of the queried size: bitwise, only outputs (and saved states) allocated",
+    "workspace": "a workspace of the queried size: bitwise, only outputs (and saved states) allocated; the "
+                 "autograd context holds exactly kda_saved_bytes_kcp",
     "graph": "fwd + bwd captured in a CUDA graph (NCCL included) replays bitwise equal to eager",
 }
 
