@@ -119,6 +119,17 @@ __device__ __forceinline__ void load_bf16(bf16* dst, const bf16* src, int64_t gs
     cp_async16(dst + swz<RL>(r, c), ok ? src + r * gstride + c : src, ok);
   }
 }
+// Index of (row, col) in an fp32 [64][128] tile: row-major (SWZ = false), or with the 8-column groups
+// XOR-swizzled by (row & 3) (SWZ = true). The gradient kernel reads its G and dG tiles in the mma
+// accumulator pattern (8 rows x 4 column pairs per warp instruction): row-major, those reads hit 4
+// banks 8 ways; swizzled, 16 banks 2 ways. A row stays one 128-float block (permuted within 32-float
+// groups), so row-wise loops and 16-byte copies of 4 columns are unchanged in cost.
+template <bool SWZ>
+__device__ __forceinline__ int f32_at(int r, int c) {
+  if constexpr (SWZ) return r * D + (c ^ ((r & 3) << 3));
+  else return r * D + c;
+}
+
 // fp32 [rows][cols] (global row stride gstride) -> plain tile with row stride ld; rows >= nvalid zero.
 template <int NT>
 __device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, int64_t gstride, int rows, int cols,
@@ -128,6 +139,15 @@ __device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, i
     const int r = p / PR, c = (p % PR) * 4;
     const bool ok = r < nvalid;
     cp_async16(dst + r * ld + c, ok ? src + r * gstride + c : src, ok);
+  }
+}
+// fp32 [64][128] (global row stride gstride) -> swizzled tile (f32_at<true>); rows >= nvalid zero.
+template <int NT>
+__device__ __forceinline__ void load_f32_swz(float* dst, const float* src, int64_t gstride, int nvalid, int tid) {
+  for (int p = tid; p < C * D / 4; p += NT) {
+    const int r = p / (D / 4), c = (p % (D / 4)) * 4;
+    const bool ok = r < nvalid;
+    cp_async16(dst + f32_at<true>(r, c), ok ? src + r * gstride + c : src, ok);
   }
 }
 
@@ -147,22 +167,23 @@ __device__ __forceinline__ void store_row_sums(float* dst, int row0, const float
 }
 
 // 2-level cumsum over the 64 rows of an fp32 [64][128] tile by the first 256 of the block's NT threads,
-// forward or reverse (every thread of the block calls it: it synchronizes).
-template <bool REV, int NT = 256>
+// forward or reverse (every thread of the block calls it: it synchronizes). SWZ: the tile's layout (f32_at).
+template <bool REV, int NT = 256, bool SWZ = false>
 __device__ __forceinline__ void cumsum_rows(float* t, int tid) {
   const int d = tid & 127, half = tid >> 7;
   const bool active = NT == 256 || tid < 256;
+  auto at = [&](int r) -> float& { return t[f32_at<SWZ>(r, d)]; };
   float run = 0.f;
   if (active) {
     if constexpr (!REV) {
       for (int r = 32 * half; r < 32 * half + 32; ++r) {
-        run += t[r * D + d];
-        t[r * D + d] = run;
+        run += at(r);
+        at(r) = run;
       }
     } else {
       for (int r = 32 * half + 31; r >= 32 * half; --r) {
-        run += t[r * D + d];
-        t[r * D + d] = run;
+        run += at(r);
+        at(r) = run;
       }
     }
   }
@@ -170,13 +191,13 @@ __device__ __forceinline__ void cumsum_rows(float* t, int tid) {
   if (active) {
     if constexpr (!REV) {
       if (half == 1) {
-        const float off = t[31 * D + d];
-        for (int r = 32; r < 64; ++r) t[r * D + d] += off;
+        const float off = at(31);
+        for (int r = 32; r < 64; ++r) at(r) += off;
       }
     } else {
       if (half == 0) {
-        const float off = t[32 * D + d];
-        for (int r = 0; r < 32; ++r) t[r * D + d] += off;
+        const float off = at(32);
+        for (int r = 0; r < 32; ++r) at(r) += off;
       }
     }
   }
@@ -856,17 +877,17 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 
   // ---- phase B1: G, q, k; consume dQg, dKg; stage dW, s dAqk, K o exp(G) ----
   float* sG = reinterpret_cast<float*>(smem + B_G);
-  load_f32<NT>(sG, D, a.g + base, gs, C, D, nrows, tid);
+  load_f32_swz<NT>(sG, a.g + base, gs, nrows, tid);
   load_bf16<128, NT>(B16(B_Q), static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
   load_bf16<128, NT>(B16(B_K), static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
-  cumsum_rows<false, NT>(sG, tid);
+  cumsum_rows<false, NT, true>(sG, tid);
 
   float Rg[1][NT128][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
   epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-    const float e0 = fexp(sG[r * D + cc]), e1 = fexp(sG[r * D + cc + 1]);
+    const float e0 = fexp(sG[f32_at<true>(r, cc)]), e1 = fexp(sG[f32_at<true>(r, cc + 1)]);
     x0 *= a.scale * e0;
     x1 *= a.scale * e1;
   });
@@ -884,8 +905,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   {
     float cs[NT128][2];
     epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-      const float Lg0 = sG[63 * D + cc], Lg1 = sG[63 * D + cc + 1];
-      const float d0 = fexp(Lg0 - sG[r * D + cc]), d1 = fexp(Lg1 - sG[r * D + cc + 1]);
+      const float Lg0 = sG[f32_at<true>(63, cc)], Lg1 = sG[f32_at<true>(63, cc + 1)];
+      const float d0 = fexp(Lg0 - sG[f32_at<true>(r, cc)]), d1 = fexp(Lg1 - sG[f32_at<true>(r, cc + 1)]);
       x0 *= d0;
       x1 *= d1;
     });
@@ -920,7 +941,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
     const float2 kk = ld2<128>(B16(B_K), r, d);
-    st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(sG[r * D + d]), kk.y * fexp(sG[r * D + d + 1]));
+    st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(sG[f32_at<true>(r, d)]),
+             kk.y * fexp(sG[f32_at<true>(r, d + 1)]));
   }
   __syncthreads();
 
@@ -942,7 +964,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       for (int e = 0; e < 4; ++e) {
         const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
         const float x = acc[0][ni][e];
-        const float eg = fexp(sG[r * D + cc]);
+        const float eg = fexp(sG[f32_at<true>(r, cc)]);
         const float kx = __bfloat162float(B16(B_K)[sw128(r, cc)]) * eg;  // Kexp
         const float b = sBeta[r];
         dKg[0][ni][e] += b * x * eg;
@@ -977,8 +999,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     const int row = p >> 6, d = (p & 63) * 2;
     const int I = row < 16 ? 0 : row < 48 ? 1 : row < 96 ? 2 : 3;
     const int j = row - cc_sec(I);
-    const float e0 = fexp(sG[16 * I * D + d] - sG[j * D + d]);
-    const float e1 = fexp(sG[16 * I * D + d + 1] - sG[j * D + d + 1]);
+    const float e0 = fexp(sG[f32_at<true>(16 * I, d)] - sG[f32_at<true>(j, d)]);
+    const float e1 = fexp(sG[f32_at<true>(16 * I, d + 1)] - sG[f32_at<true>(j, d + 1)]);
     const float2 kk = ld2<128>(B16(B_K), j, d);
     st2<128>(B16(B_CCH), B16(B_CCL), row, d, kk.x * e0, kk.y * e1);
   }
@@ -999,7 +1021,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-          const float y = acc[0][ni][e] * fexp(sG[r * D + cc] - sG[16 * I * D + cc]);
+          const float y = acc[0][ni][e] * fexp(sG[f32_at<true>(r, cc)] - sG[f32_at<true>(16 * I, cc)]);
           dX[0][ni][e] += y;
           Rg[0][ni][e] += __bfloat162float(x[sw128(r, cc)]) * y;
         }
@@ -1017,7 +1039,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
     const int ar = r & ~15;
-    const float e0 = fexp(sG[r * D + d] - sG[ar * D + d]), e1 = fexp(sG[r * D + d + 1] - sG[ar * D + d + 1]);
+    const float e0 = fexp(sG[f32_at<true>(r, d)] - sG[f32_at<true>(ar, d)]);
+    const float e1 = fexp(sG[f32_at<true>(r, d + 1)] - sG[f32_at<true>(ar, d + 1)]);
     const float2 kk = ld2<128>(B16(B_K), r, d), qq = ld2<128>(B16(B_Q), r, d);
     st2<128>(B16(B_KRH), B16(B_KRL), r, d, kk.x * e0, kk.y * e1);
     st2<128>(B16(B_QRH), B16(B_QRL), r, d, qq.x * e0, qq.y * e1);
@@ -1038,7 +1061,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-          const float z = part[0][ni][e] * fexp(sG[16 * I * D + cc] - sG[r * D + cc]);
+          const float z = part[0][ni][e] * fexp(sG[f32_at<true>(16 * I, cc)] - sG[f32_at<true>(r, cc)]);
           dKg[0][ni][e] += z;
           Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
         }
@@ -1052,21 +1075,22 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   // ---- B5: dG -> dg (reverse cumsum), dbeta ----
   float* sDG = reinterpret_cast<float*>(smem + B_DG);
   epi(Rg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-    *reinterpret_cast<float2*>(sDG + r * D + cc) = make_float2(x0, x1);
+    *reinterpret_cast<float2*>(sDG + f32_at<true>(r, cc)) = make_float2(x0, x1);  // cc even: the pair stays adjacent
   });
   __syncthreads();
   if (tid < D) {
     const int d = tid;
-    const float extra = ((sCs[d] + sCs[D + d]) + (sCs[2 * D + d] + sCs[3 * D + d])) + sDgam[d] * fexp(sG[63 * D + d]);
-    sDG[63 * D + d] += extra;
+    const float extra =
+        ((sCs[d] + sCs[D + d]) + (sCs[2 * D + d] + sCs[3 * D + d])) + sDgam[d] * fexp(sG[f32_at<true>(63, d)]);
+    sDG[f32_at<true>(63, d)] += extra;
   }
   __syncthreads();
-  cumsum_rows<true, NT>(sDG, tid);
+  cumsum_rows<true, NT, true>(sDG, tid);
   {
     constexpr int RPG = 64 / (NT / 128);  // rows per group of 128 threads
     const int d = tid & 127, grp = tid >> 7;
     for (int r = RPG * grp; r < RPG * grp + RPG; ++r)
-      if (r < nrows) a.dg[base + r * gs + d] = sDG[r * D + d];
+      if (r < nrows) a.dg[base + r * gs + d] = sDG[f32_at<true>(r, d)];
   }
   if (tid < C && tid < nrows) {
     const float* b = sDb;
