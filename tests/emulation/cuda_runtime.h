@@ -1,0 +1,77 @@
+// CPU emulation of the CUDA runtime pieces csrc/kda_bwd.cu uses (tests/test_bwd_kernel_emulation.py):
+// one OS thread per CUDA thread, a barrier per block (__syncthreads) and per warp (shuffles, ldmatrix,
+// mma), blocks run one after another over a 256 KiB shared-memory buffer filled with garbage first.
+#pragma once
+#include <cstdint>
+#include <cstddef>
+#include <cmath>
+#include <cstring>
+#include <barrier>
+#include <thread>
+#include <vector>
+#include <memory>
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+constexpr int cudaSuccess = 0;
+constexpr int cudaFuncAttributeMaxDynamicSharedMemorySize = 0;
+inline const char* cudaGetErrorString(int) { return "emu"; }
+inline int cudaGetLastError() { return 0; }
+template <class K> inline int cudaFuncSetAttribute(K, int, int) { return 0; }
+struct dim3 { unsigned x, y, z; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
+struct uint3e { unsigned x, y, z; };
+inline thread_local uint3e threadIdx, blockIdx;
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+#define __constant__ static
+
+// ---- block / warp context ----
+struct WarpCtx {
+  std::barrier<> bar{32};
+  uint32_t u[32][8];
+  const void* addr[32];
+  float f[32];
+};
+struct BlockCtx {
+  std::unique_ptr<std::barrier<>> bar;
+  std::vector<std::unique_ptr<WarpCtx>> warps;
+};
+inline BlockCtx* g_block = nullptr;
+inline thread_local WarpCtx* t_warp = nullptr;
+inline thread_local int t_lane = 0;
+alignas(128) inline char g_smem[256 * 1024];
+inline void __syncthreads() { g_block->bar->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+  WarpCtx* w = t_warp;
+  w->f[t_lane] = v;
+  w->bar.arrive_and_wait();
+  float r = w->f[t_lane ^ m];
+  w->bar.arrive_and_wait();
+  return r;
+}
+template <class K, class A>
+inline void emu_launch(K kern, dim3 grid, int threads, int, cudaStream_t, const A& a) {
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        BlockCtx b;
+        b.bar = std::make_unique<std::barrier<>>(threads);
+        for (int w = 0; w < threads / 32; ++w) b.warps.push_back(std::make_unique<WarpCtx>());
+        g_block = &b;
+        std::memset(g_smem, 0xCD, sizeof(g_smem));  // garbage, like real shared memory
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; ++t)
+          ts.emplace_back([&, t] {
+            threadIdx = {unsigned(t), 0, 0};
+            blockIdx = {x, y, z};
+            t_warp = b.warps[t / 32].get();
+            t_lane = t % 32;
+            kern(a);
+          });
+        for (auto& th : ts) th.join();
+      }
+}

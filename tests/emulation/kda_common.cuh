@@ -1,0 +1,103 @@
+// CPU emulation of csrc/kda_common.cuh: the same helpers with the PTX semantics of ldmatrix (x4, .trans),
+// mma.m16n8k16 (bf16 in, FP32 accumulators; the products summed in FP64, so not bitwise the GPU) and
+// cp.async (a synchronous copy). The kernels themselves are compiled from csrc unchanged.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cmath>
+#include <cstdint>
+namespace kda {
+constexpr float kLog2e = 1.4426950408889634f;
+inline float fexp(float x) { return std::exp2(x * kLog2e); }
+inline int sw128(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
+inline int sw64(int r, int c) { return r * 64 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
+inline uint16_t b16at(const void* p, int i) { return static_cast<const uint16_t*>(p)[i]; }
+inline uint32_t pk(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+template <bool TRANS>
+inline void ldsm(uint32_t (&r)[4], const void* p) {
+  WarpCtx* w = t_warp;
+  const int l = t_lane;
+  w->addr[l] = p;
+  w->bar.arrive_and_wait();
+  for (int j = 0; j < 4; ++j) {
+    if (!TRANS) {
+      const void* row = w->addr[j * 8 + l / 4];
+      r[j] = pk(b16at(row, 2 * (l % 4)), b16at(row, 2 * (l % 4) + 1));
+    } else {
+      const void* r0 = w->addr[j * 8 + 2 * (l % 4)];
+      const void* r1 = w->addr[j * 8 + 2 * (l % 4) + 1];
+      r[j] = pk(b16at(r0, l / 4), b16at(r1, l / 4));
+    }
+  }
+  w->bar.arrive_and_wait();
+}
+inline void ldsm4(uint32_t (&r)[4], const void* p) { ldsm<false>(r, p); }
+inline void ldsm4t(uint32_t (&r)[4], const void* p) { ldsm<true>(r, p); }
+inline float bf(uint32_t v, int hi) { __nv_bfloat16 b{uint16_t(hi ? v >> 16 : v & 0xffff)}; return __bfloat162float(b); }
+inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  WarpCtx* w = t_warp;
+  const int l = t_lane;
+  for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
+  w->u[l][4] = b0;
+  w->u[l][5] = b1;
+  w->bar.arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    const uint32_t* u = w->u[L];
+    for (int e = 0; e < 2; ++e) {
+      A[g][2 * t + e] = bf(u[0], e);
+      A[g + 8][2 * t + e] = bf(u[1], e);
+      A[g][2 * t + 8 + e] = bf(u[2], e);
+      A[g + 8][2 * t + 8 + e] = bf(u[3], e);
+      B[2 * t + e][g] = bf(u[4], e);
+      B[2 * t + 8 + e][g] = bf(u[5], e);
+    }
+  }
+  w->bar.arrive_and_wait();
+  const int g = l >> 2, t = l & 3;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    double s = d[e];
+    for (int k = 0; k < 16; ++k) s += double(A[row][k]) * double(B[k][col]);
+    d[e] = float(s);
+  }
+}
+inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo).x, __float2bfloat16_rn(hi).x); }
+inline void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  __nv_bfloat16 hx = __float2bfloat16_rn(x), hy = __float2bfloat16_rn(y);
+  hi = pk(hx.x, hy.x);
+  lo = pack_bf16(x - __bfloat162float(hx), y - __bfloat162float(hy));
+}
+template <int RL> inline int swz(int r, int c) { if constexpr (RL == 128) return sw128(r, c); else return sw64(r, c); }
+template <int RL> inline void lda(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+  ldsm4(a, t + swz<RL>(m0 + (lane & 15), k0 + ((lane >> 4) << 3)));
+}
+template <int RL> inline void lda_t(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+  ldsm4t(a, t + swz<RL>(k0 + (lane & 7) + ((lane >> 4) << 3), m0 + (((lane >> 3) & 1) << 3)));
+}
+template <int RL> inline void ldb(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
+  ldsm4(b, t + swz<RL>(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + (((lane >> 3) & 1) << 3)));
+}
+template <int RL> inline void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
+  ldsm4t(b, t + swz<RL>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3)));
+}
+inline void cp_async16(void* dst, const void* src, bool valid) {
+  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+}
+inline void cp_async_commit() {}
+inline void cp_async_wait_all() {}
+inline void mma_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+  mma(d0, a, b[0], b[1]);
+  mma(d1, a, b[2], b[3]);
+}
+template <int N> inline void zero_frags(float (&t)[N][4]) { for (int n = 0; n < N; ++n) for (int e = 0; e < 4; ++e) t[n][e] = 0.f; }
+inline void split_afrag(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  split2(t0[0], t0[1], hi[0], lo[0]);
+  split2(t0[2], t0[3], hi[1], lo[1]);
+  split2(t1[0], t1[1], hi[2], lo[2]);
+  split2(t1[2], t1[3], hi[3], lo[3]);
+}
+inline void negate_split(uint32_t (&hi)[4], uint32_t (&lo)[4]) { for (int e = 0; e < 4; ++e) { hi[e] ^= 0x80008000u; lo[e] ^= 0x80008000u; } }
+inline void cp_async_wait1() {}
+}  // namespace kda
