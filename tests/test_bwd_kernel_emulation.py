@@ -1,12 +1,14 @@
-"""The CUDA backward kernels (csrc/kda_bwd.cu, unchanged) run on the CPU: compiled with g++ against an
-emulation of the CUDA pieces they use (tests/emulation/: one OS thread per CUDA thread, ldmatrix,
-mma.m16n8k16 and cp.async with their PTX semantics), so that indexing, tiling and synchronization
-mistakes fail CI instead of a device call. The emulated mma sums in FP64, so results are compared with
-the torch backend's stages within tolerances, not bitwise with a GPU.
+"""The CUDA kernels (csrc/kda_bwd.cu, csrc/kda_fwd.cu, csrc/kda_affine_merge.cuh, unchanged) run on the
+CPU: compiled with g++ against an emulation of the CUDA pieces they use (tests/emulation/: one OS thread
+per CUDA thread, ldmatrix, mma.m16n8k16 and cp.async with their PTX semantics), so that indexing, tiling
+and synchronization mistakes fail CI instead of a device call. The emulated mma sums in FP64, so results
+are compared with the torch backend or the FP64 oracle within tolerances, not bitwise with a GPU.
 
-Checked: the prep records, h and dh of the 4- and 8-warp walks and the four segment summaries against
-the torch walks; the gradient kernel at 16 warps (the default) and 8 warps against the torch backward.
-About a minute on two cores."""
+Checked: the backward's prep records, h and dh of the 4- and 8-warp walks and the four segment summaries
+against the torch walks; the gradient kernel at 16 warps (the default) and 8 warps against the torch
+backward; and the whole CUDA path (kda_kcp.cuda's wrappers: plans, tables, segmented walks, folds, the
+workspace arena, the lean backward) with the emulated kernels standing for the loaded programs, against
+the FP64 oracle. A few minutes on two cores."""
 
 from __future__ import annotations
 
@@ -20,9 +22,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kda_kcp
+import kda_kcp.backend
+import kda_kcp.function as function
 from kda_kcp.chunk import Prep, _masks, _prep_slab
+from kda_kcp.cuda import CudaBackend, forward
 from kda_kcp.cuda import backward as cb
 from kda_kcp.plan import LocalPlan, build_plan
+from kda_kcp.reference import naive_kda
 from kda_kcp.torch_backend import TorchBackend, _chunk_set
 from kda_kcp.walk import reverse_walk, state_walk
 
@@ -35,21 +42,28 @@ TOL = {"dq": 6e-3, "dk": 6e-3, "dv": 6e-3, "dg": 1e-2, "dbeta": 1e-2}  # DESIGN.
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")
 
 
+def _emulated(src: str) -> str:
+    """Kernel source with its dynamic shared memory and launches mapped onto the emulation."""
+    s = src.replace("extern __shared__ __align__(128) char smem[];", "char* smem = g_smem;")
+    return re.sub(r"([\w:]+(?:<[\w, ]+>)?)<<<(.*?)>>>\((\w+)\);", r"emu_launch(\1, \2, \3);", s)
+
+
 def _build(out: Path) -> Path:
-    """csrc/kda_bwd.cu with its shared memory, cp.async waits and launches mapped onto the emulation."""
+    """csrc/kda_bwd.cu, csrc/kda_fwd.cu and the affine merge, unchanged but for _emulated, in one library."""
     inc = out / "inc"
     inc.mkdir()
     for f in ("cuda_runtime.h", "cuda_bf16.h", "kda_common.cuh"):
         shutil.copy(EMU / f, inc / f)
     for f in ("kda_state_tile.cuh", "kda_chunk_prep.cuh"):  # their "kda_common.cuh" is then the emulated one
         shutil.copy(ROOT / "csrc" / f, inc / f)
-    s = (ROOT / "csrc" / "kda_bwd.cu").read_text()
-    s = s.replace("extern __shared__ __align__(128) char smem[];", "char* smem = g_smem;")
-    s = re.sub(r"([\w:]+(?:<[\w, ]+>)?)<<<(.*?)>>>\((\w+)\);", r"emu_launch(\1, \2, \3);", s)
-    (out / "kda_bwd_emu.cpp").write_text(s)
-    lib = out / "libkda_bwd_emu.so"
+    (inc / "kda_affine_merge.cuh").write_text(_emulated((ROOT / "csrc" / "kda_affine_merge.cuh").read_text()))
+    units = []
+    for name in ("kda_bwd", "kda_fwd"):
+        units.append(out / f"{name}_emu.cpp")
+        units[-1].write_text(_emulated((ROOT / "csrc" / f"{name}.cu").read_text()))
+    lib = out / "libkda_emu.so"
     subprocess.run(["g++", "-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", f"-I{inc}", f"-I{ROOT / 'csrc'}",
-                    "-x", "c++", str(out / "kda_bwd_emu.cpp"), str(EMU / "driver.cpp"), "-o", str(lib)], check=True)
+                    "-x", "c++", *map(str, units), str(EMU / "driver.cpp"), "-o", str(lib)], check=True)
     return lib
 
 
@@ -74,7 +88,11 @@ def _case(cu, H, seed):
     q = F.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
     k = F.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
     v = torch.randn(T, H, 128, generator=gen).bfloat16()
-    g = (-5 * torch.sigmoid(torch.randn(T, H, 128, generator=gen) * 2 - 1)).clamp(-5, -1e-6)
+    g = F.logsigmoid(2 + 1.5 * torch.randn(T, H, 128, generator=gen)).clamp(-5, -1e-6)  # the benchmark's gates
+    # a quarter of the channels decay slowly (gamma ~ 0.5 per chunk), so states carry across chunks and
+    # segments: with fast gates alone a wrong decay or a wrong state hand-over would go unseen
+    slow = torch.rand(1, H, 128, generator=gen) < 0.25
+    g = torch.where(slow, -0.02 * torch.rand(T, H, 128, generator=gen) - 1e-6, g)
     beta = (0.05 + 0.9 * torch.rand(T, H, generator=gen)).bfloat16()
     do = torch.randn(T, H, 128, generator=gen).bfloat16()
     R = plan.num_runs
@@ -170,3 +188,103 @@ def test_gradient_kernel(emu):
             assert torch.equal(a, b), name
         else:
             assert _rel(a, b) <= 1e-5, name
+
+
+class _Programs:
+    """Stands for the loaded kda_fwd and kda_bwd programs: each entry point maps its tensors onto the
+    emulated launchers the way csrc/*_binding.cu maps them onto kda::*Args (checks aside)."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def _ok(self, rc, what):
+        assert rc == 0, f"emulated {what} returned {rc}"
+
+    # ---- kda_bwd ----
+    def bwd_prep(self, q, k, v, g, beta, chunks, prep, scale, warps):
+        self._ok(self.lib.e_prep(*map(_p, (q, k, v, g, beta, chunks)), chunks.shape[0], q.shape[1],
+                                 ctypes.c_float(scale), _p(prep), warps), "bwd_prep")
+
+    def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, h, warps):
+        self._ok(self.lib.e_fwd_walk(_p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0], h.shape[1],
+                                     _p(state_in), _p(fold), _p(h), warps), "bwd_fwd_walk")
+
+    def bwd_rev_walk(self, dout, prep, chunks, runs, dstate_out, fold, dh, warps):
+        self._ok(self.lib.e_rev_walk(_p(dout), _p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0],
+                                     dh.shape[1], _p(dstate_out), _p(fold), _p(dh), warps), "bwd_rev_walk")
+
+    def bwd_fwd_summary(self, prep, chunks, segs, m, e, warps):
+        self._ok(self.lib.e_fwd_summary(_p(prep), _p(chunks), chunks.shape[0], _p(segs), segs.shape[0], m.shape[1],
+                                        _p(m), _p(e), warps), "bwd_fwd_summary")
+
+    def bwd_rev_summary(self, dout, prep, chunks, runs, mt, f, warps):
+        self._ok(self.lib.e_rev_summary(_p(dout), _p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0],
+                                        mt.shape[1], _p(mt), _p(f), warps), "bwd_rev_summary")
+
+    def bwd_grads(self, q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, warps):
+        self._ok(self.lib.e_grads(*map(_p, (q, k, v, g, beta, do, chunks)), chunks.shape[0], q.shape[1], _p(prep),
+                                  _p(h), _p(dh), *map(_p, (dq, dk, dv, dg, dbeta)), ctypes.c_float(scale), warps),
+                 "bwd_grads")
+
+    # ---- both programs ----
+    def merge_fold(self, m, e, chains, init, out):
+        self._ok(self.lib.e_merge(_p(m), _p(e), _p(chains), chains.shape[0], m.shape[1], _p(init), _p(out), None, 0),
+                 "merge_fold")
+
+    def merge_compose(self, m, e, chains, m_out, e_out):
+        self._ok(self.lib.e_merge(_p(m), _p(e), _p(chains), chains.shape[0], m.shape[1], None, _p(m_out), _p(e_out),
+                                  1), "merge_compose")
+
+    # ---- kda_fwd ----
+    def fwd_prep(self, q, k, g, beta, chunks, ws, scale):
+        self._ok(self.lib.e_fwd_prep(*map(_p, (q, k, g, beta, chunks)), chunks.shape[0], q.shape[1],
+                                     ctypes.c_float(scale), _p(ws)), "fwd_prep")
+
+    def fwd_walk_output(self, v, ws, chunks, segs, state_in, sin, o, warps):
+        self._ok(self.lib.e_fwd_walk_output(_p(v), _p(ws), _p(chunks), _p(segs), segs.shape[0], v.shape[1],
+                                            _p(state_in), _p(sin), _p(o), warps), "fwd_walk_output")
+
+    def fwd_walk_summary(self, v, ws, chunks, segs, m, e, warps):
+        self._ok(self.lib.e_fwd_walk_summary(_p(v), _p(ws), _p(chunks), _p(segs), segs.shape[0], v.shape[1],
+                                             _p(m), _p(e), warps), "fwd_walk_summary")
+
+    def fwd_record_bytes(self):
+        return self.lib.e_fwd_record_bytes()
+
+
+def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
+    """One W = 1 forward + backward through kda_kcp.cuda (segmented forward and backward walks, folds, a
+    workspace of exactly the queried size) against the FP64 oracle, and the lean backward (2 passes)
+    bitwise equal to the replay one."""
+    backend = CudaBackend(True)
+    programs = _Programs(emu)
+    monkeypatch.setattr(function, "select_backend", lambda device, det: backend)
+    monkeypatch.setattr(kda_kcp.backend, "select_backend", lambda device, det: backend)
+    monkeypatch.setattr(function, "check_inputs", lambda *a: None)  # CPU tensors stand for CUDA ones
+    monkeypatch.setattr(forward, "check_tensors", lambda *a: None)
+    monkeypatch.setattr(cb, "check_tensors", lambda *a: None)
+    monkeypatch.setattr(forward, "load", lambda device: programs)
+    monkeypatch.setattr(cb, "load", lambda device: programs)
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "2")
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")
+    cu = [0, 70, 300]
+    plan, inputs, do, _, _ = _case(cu, 1, 7)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu))
+    H = 1
+    ws = kda_kcp.WorkspaceKcp.from_buffer(
+        torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H), dtype=torch.uint8), True, "replay", None)
+    o, saved = function.forward_kcp(*inputs, ctx, None, True, ws)
+    grads = function.backward_kcp(do, saved, ctx, ws)
+    leaves = [x.detach().double().requires_grad_() for x in inputs]
+    o64 = naive_kda(*leaves, cu, scale=SCALE)
+    ref = [o64.detach(), *torch.autograd.grad(o64, leaves, do.double())]
+    for name, x, r in zip(("o", *NAMES), (o, *grads), ref):
+        err = _rel(x, r)
+        print(f"emulated CUDA path {name}: vs FP64 {err:.2e}")
+        assert torch.isfinite(x.float()).all() and err <= (4e-3 if name == "o" else TOL[name]), name
+    lean = kda_kcp.WorkspaceKcp.from_buffer(
+        torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena="lean", lean_passes=2), dtype=torch.uint8),
+        True, "lean", 2)
+    lean_grads = function.backward_kcp(do, saved, ctx, lean)
+    for name, x, r in zip(NAMES, lean_grads, grads):
+        assert torch.equal(x, r), f"{name}: the lean backward differs from the replay one"

@@ -1,10 +1,10 @@
 // CPU emulation of the cuda_bf16.h pieces the kernels use (round to nearest even, as the hardware).
 #pragma once
+#include <cuda_runtime.h>  // the vector types
 #include <cstdint>
 #include <cstring>
 struct __nv_bfloat16 { uint16_t x; };
 struct __nv_bfloat162 { __nv_bfloat16 x, y; };
-struct float2e { float x, y; };
 inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = uint32_t(b.x) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   uint32_t u; std::memcpy(&u, &f, 4);
@@ -12,10 +12,5 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   uint32_t r = u + 0x7fff + ((u >> 16) & 1);
   return {uint16_t(r >> 16)};
 }
-struct float2 { float x, y; };
-struct float4 { float x, y, z, w; };
-struct uint4 { uint32_t x, y, z, w; };
-inline float2 make_float2(float a, float b) { return {a, b}; }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
 inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.x), __bfloat162float(v.y)}; }
-inline float fmaf_(float a, float b, float c) { return a * b + c; }

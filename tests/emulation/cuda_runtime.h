@@ -11,8 +11,14 @@
 #include <vector>
 #include <memory>
 typedef int cudaError_t;
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+struct uint4 { uint32_t x, y, z, w; };
+inline float2 make_float2(float a, float b) { return {a, b}; }
+template <class T> inline T __ldg(const T* p) { return *p; }
 typedef void* cudaStream_t;
 constexpr int cudaSuccess = 0;
+constexpr int cudaErrorInvalidValue = 1;
 constexpr int cudaFuncAttributeMaxDynamicSharedMemorySize = 0;
 inline const char* cudaGetErrorString(int) { return "emu"; }
 inline int cudaGetLastError() { return 0; }
@@ -45,6 +51,7 @@ inline thread_local WarpCtx* t_warp = nullptr;
 inline thread_local int t_lane = 0;
 alignas(128) inline char g_smem[256 * 1024];
 inline void __syncthreads() { g_block->bar->arrive_and_wait(); }
+inline void __syncwarp() { t_warp->bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {
   WarpCtx* w = t_warp;
   w->f[t_lane] = v;

@@ -29,3 +29,26 @@ extern "C" int e_grads(void* q, void* k, void* v, float* g, void* beta, void* do
   a.prep = prep; a.h = h; a.dh = dh; a.dq = dq; a.dk = dk; a.dv = dv; a.dg = dg; a.dbeta = dbeta; a.scale = scale;
   return launch_grads(a, warps, nullptr);
 }
+
+// ---- the forward (csrc/kda_fwd.cu) and the FP32 affine merge (csrc/kda_affine_merge.cuh) ----
+#include "kda_affine_merge.cuh"
+#include "kda_fwd.h"
+extern "C" {
+int e_fwd_prep(void* q, void* k, float* g, void* beta, int32_t* chunks, int nchunk, int H, float scale, void* ws) {
+  kda::PrepArgs a{}; a.q = q; a.k = k; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunk = nchunk; a.H = H; a.scale = scale; a.ws = ws;
+  return kda::launch_fwd_prep(a, nullptr);
+}
+int e_fwd_walk_output(void* v, void* ws, int32_t* chunks, int32_t* segs, int nseg, int H, float* state_in, float* sin, void* o, int warps) {
+  kda::WalkArgs a{}; a.v = v; a.ws = ws; a.chunks = chunks; a.segs = segs; a.nseg = nseg; a.H = H; a.state_in = state_in; a.sin = sin; a.o = o;
+  return kda::launch_fwd_walk_output(a, warps, nullptr);
+}
+int e_fwd_walk_summary(void* v, void* ws, int32_t* chunks, int32_t* segs, int nseg, int H, float* m, float* e, int warps) {
+  kda::WalkArgs a{}; a.v = v; a.ws = ws; a.chunks = chunks; a.segs = segs; a.nseg = nseg; a.H = H; a.m_out = m; a.e_out = e;
+  return kda::launch_fwd_walk_summary(a, warps, nullptr);
+}
+int e_merge(float* m, float* e, int32_t* chains, int nchain, int H, float* init, float* out0, float* out1, int compose) {
+  kda::MergeArgs a{}; a.m = m; a.e = e; a.chains = chains; a.nchain = nchain; a.H = H; a.init = init; a.out0 = out0; a.out1 = out1;
+  return compose ? kda::launch_merge_compose(a, nullptr) : kda::launch_merge_fold(a, nullptr);
+}
+int e_fwd_record_bytes() { return kda::kFwdRecordBytes; }
+}
