@@ -8,9 +8,9 @@
 #              count); bench stages wait for them
 #   tests      the one-GPU tests: tests/gpu/test_workspace_cuda.py, test_fwd_cuda.py, test_bwd_cuda.py
 #              (or the files in $TEST_FILES)
-#   nccl       tests/gpu/test_kcp_nccl.py (W = 2 over NCCL; needs 2 GPUs)
+#   nccl       tests/gpu/test_kcp_nccl.py (W = 2 over NCCL, or W = $KDA_KCP_TEST_WORLD; needs that many GPUs)
 #   bench1     benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS (ops $OPS, arms det nd control fla)
-#   bench2     benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 (all layouts, arms + fla_cp)
+#   bench2     benchmarks/bench_kda_kcp.py --world ${WORLD2:-2} --heads $HEADS2 (all layouts, arms + fla_cp)
 #   ab         the backward's det arm at H in $HEADS under each value of $AB_VAR in $AB_VALUES (default: the
 #              gradient kernel's warps, KDA_KCP_BWD_GRADS_WARPS = 8 16), no FLA, no oracle
 #   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16
@@ -69,10 +69,10 @@ for st in "$@"; do
       grep -E "rel|vs |passed|failed|Error|assert" "$OUT/tests.log" | tail -40
       add "tests: $(tail -1 "$OUT/tests.log")";;
     nccl)
-      if [ "$ngpu" -lt 2 ]; then add "nccl: skipped ($ngpu GPU)"; continue; fi
+      if [ "$ngpu" -lt "${KDA_KCP_TEST_WORLD:-2}" ]; then add "nccl: skipped ($ngpu GPU)"; continue; fi
       timeout $(( $(left) - 30 )) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kcp_nccl.py \
         > "$OUT/nccl.log" 2>&1
-      grep -E "FAILED|W=2 o|passed|failed|ok$" "$OUT/nccl.log" | tail -40
+      grep -E "FAILED|W=[0-9]+ o|passed|failed|ok$" "$OUT/nccl.log" | tail -40
       add "nccl: $(tail -1 "$OUT/nccl.log")";;
     bench1)
       wait_warm
@@ -82,8 +82,8 @@ for st in "$@"; do
       add "bench1 rc=$?"; tail -45 "$OUT/bench_w1.log";;
     bench2)
       wait_warm
-      if [ "$ngpu" -lt 2 ]; then add "bench2: skipped ($ngpu GPU)"; continue; fi
-      timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py --world 2 --heads $HEADS2 --ops $OPS \
+      if [ "$ngpu" -lt "${WORLD2:-2}" ]; then add "bench2: skipped ($ngpu GPU)"; continue; fi
+      timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py --world "${WORLD2:-2}" --heads $HEADS2 --ops $OPS \
         ${BENCH2_ARGS:-} --json "$OUT/bench_w2.json" --plot "$OUT/bench_w2.png" > "$OUT/bench_w2.log" 2>&1
       add "bench2 rc=$?"; tail -60 "$OUT/bench_w2.log";;
     ab)
