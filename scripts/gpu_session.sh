@@ -56,8 +56,9 @@ for st in "$@"; do
         timeout $(( $(left) - 60 )) python3 scripts/warm_fla_cache.py --heads "$h" --device $(( ngpu - 1 )) \
           >> "$OUT/warm.log" 2>&1 &
         warm_pids+=($!)
-        if [ "${WARM_CP:-0}" = 1 ] && [ "$ngpu" -ge 2 ]; then  # FLA's CP kernels too (two ranks per head count)
-          timeout $(( $(left) - 60 )) python3 scripts/warm_fla_cache.py --cp --heads "$h" --port $(( 29700 + h )) \
+        if [ "${WARM_CP:-0}" = 1 ] && [ "$ngpu" -ge "${WORLD2:-2}" ]; then  # FLA's CP kernels too (WORLD2 ranks)
+          timeout $(( $(left) - 60 )) python3 scripts/warm_fla_cache.py --cp --world "${WORLD2:-2}" --heads "$h" \
+            --port $(( 29700 + h )) \
             >> "$OUT/warm.log" 2>&1 &
           warm_pids+=($!)
         fi

@@ -9,7 +9,8 @@ W = 2, T = 130696). Run one process per head count in the background while other
     python scripts/warm_fla_cache.py --heads 16 --device 1 &
 
 ``--cp`` warms FLA's context-parallel path instead (``build_cp_context`` + ``chunk_kda(cp_context=...)``,
-both layouts FLA has): two processes joined by NCCL, one per GPU, as the benchmark's fla_cp arm runs it.
+both layouts FLA has): ``--world`` processes (2 by default) joined by NCCL, one per GPU, as the benchmark's
+fla_cp arm runs it.
 """
 
 from __future__ import annotations
@@ -96,14 +97,16 @@ def main():
     p.add_argument("--heads", nargs="+", type=int, default=[4, 16, 64])
     p.add_argument("--tokens", nargs="+", type=int, default=[8192, 8200], help="one divisible by 16, one not")
     p.add_argument("--device", type=int, default=0)
-    p.add_argument("--cp", action="store_true", help="warm FLA's context-parallel path on 2 GPUs (NCCL)")
+    p.add_argument("--cp", action="store_true", help="warm FLA's context-parallel path on --world GPUs (NCCL)")
     p.add_argument("--port", type=int, default=29731, help="rendezvous port of the --cp process group")
+    p.add_argument("--world", type=int, default=2, help="ranks of the --cp run (one GPU each)")
     args = p.parse_args()
     if args.cp:
         import torch.multiprocessing as mp
 
-        # global T: twice the W = 1 sizes, so each rank's shard has the token counts above
-        mp.spawn(warm_cp, args=(2, args.port, args.heads, [2 * t for t in args.tokens]), nprocs=2, join=True)
+        # global T: W times the W = 1 sizes, so each rank's shard has the token counts above
+        w = args.world
+        mp.spawn(warm_cp, args=(w, args.port, args.heads, [w * t for t in args.tokens]), nprocs=w, join=True)
         return
     device = torch.device("cuda", args.device)
     for H in args.heads:
