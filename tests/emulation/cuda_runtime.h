@@ -1,4 +1,4 @@
-// CPU emulation of the CUDA runtime pieces csrc/kda_bwd.cu uses (tests/test_bwd_kernel_emulation.py):
+// CPU emulation of the CUDA runtime pieces the kernels in csrc/ use (tests/test_kernel_emulation.py):
 // one OS thread per CUDA thread, a barrier per block (__syncthreads) and per warp (shuffles, ldmatrix,
 // mma), blocks run one after another over a 256 KiB shared-memory buffer filled with garbage first.
 #pragma once

@@ -1,4 +1,4 @@
-// C entry points of the emulated backward kernels for ctypes (tests/test_bwd_kernel_emulation.py).
+// C entry points of the emulated kernels (backward, forward, merge) for ctypes (tests/test_kernel_emulation.py).
 #include "kda_bwd.h"
 using namespace kda::bwd;
 extern "C" {

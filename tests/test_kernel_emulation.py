@@ -69,7 +69,7 @@ def _build(out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    return ctypes.CDLL(str(_build(tmp_path_factory.mktemp("kda_bwd_emu"))))
+    return ctypes.CDLL(str(_build(tmp_path_factory.mktemp("kda_emu"))))
 
 
 def _p(t):
