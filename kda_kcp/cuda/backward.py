@@ -35,11 +35,11 @@ ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "
                 "bwd_grads")
 
 
-def _warps(var: str, default: int) -> int:
-    """Warps per CTA of a per-chunk kernel, 8 or 16, overridable by the environment variable ``var``."""
+def _warps(var: str, default: int, allowed=(8, 16)) -> int:
+    """Warps per CTA of a kernel family, one of ``allowed``, overridable by the environment variable ``var``."""
     w = int(os.environ.get(var, "") or default)
-    if w not in (8, 16):
-        raise ValueError(f"{var} must be 8 or 16, got {w}")
+    if w not in allowed:
+        raise ValueError(f"{var} must be one of {allowed}, got {w}")
     return w
 
 
@@ -60,10 +60,7 @@ def _walk_warps() -> int:
     """Warps per CTA of the backward walks and summaries: 4 (the default: each warp holds 16 state columns
     x 128 keys) or 8 (``KDA_KCP_BWD_WALK_WARPS=8``: 16 columns x 64 keys each, the two key halves' partial
     products summed through shared memory; written in session 3, not yet measured on a GPU)."""
-    w = int(os.environ.get("KDA_KCP_BWD_WALK_WARPS", "") or 4)
-    if w not in (4, 8):
-        raise ValueError(f"KDA_KCP_BWD_WALK_WARPS must be 4 or 8, got {w}")
-    return w
+    return _warps("KDA_KCP_BWD_WALK_WARPS", 4, (4, 8))
 
 
 def load(device=None):
