@@ -8,11 +8,12 @@ Checked: the backward's prep records, h and dh of the 4- and 8-warp walks and th
 against the torch walks; the gradient kernel at 16 warps (the default) and 8 warps against the torch
 backward; and the whole CUDA path (kda_kcp.cuda's wrappers: plans, tables, segmented walks, folds, the
 workspace arena, the lean backward) with the emulated kernels standing for the loaded programs, against
-the FP64 oracle. A few minutes on two cores."""
+the FP64 oracle, at W = 1 and at W = 2 over gloo (every layout). About six minutes on two cores."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import kda_kcp
@@ -32,6 +34,7 @@ from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.reference import naive_kda
 from kda_kcp.torch_backend import TorchBackend, _chunk_set
 from kda_kcp.walk import reverse_walk, state_walk
+from helpers import gather_global, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU = Path(__file__).resolve().parent / "emulation"
@@ -252,21 +255,40 @@ class _Programs:
         return self.lib.e_fwd_record_bytes()
 
 
+def _use_emulated_programs(lib, setattr_, setenv):
+    """The CUDA backend on CPU tensors with the emulated kernels as its programs; segmented walks on these
+    small runs (segments of 2 chunks both ways)."""
+    backend = CudaBackend(True)
+    programs = _Programs(lib)
+    setattr_(function, "select_backend", lambda device, det: backend)
+    setattr_(kda_kcp.backend, "select_backend", lambda device, det: backend)
+    setattr_(function, "check_inputs", lambda *a: None)  # CPU tensors stand for CUDA ones
+    setattr_(forward, "check_tensors", lambda *a: None)
+    setattr_(cb, "check_tensors", lambda *a: None)
+    setattr_(forward, "load", lambda device: programs)
+    setattr_(cb, "load", lambda device: programs)
+    setenv("KDA_KCP_SEG_CHUNKS", "2")
+    setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")
+
+
+def _oracle(cu, inputs, do):
+    leaves = [x.detach().double().requires_grad_() for x in inputs]
+    o64 = naive_kda(*leaves, cu, scale=SCALE)
+    return [o64.detach(), *torch.autograd.grad(o64, leaves, do.double())]
+
+
+def _check_vs_oracle(got, ref, where):
+    for name, x, r in zip(("o", *NAMES), got, ref):
+        err = _rel(x, r)
+        print(f"emulated CUDA path {where} {name}: vs FP64 {err:.2e}")
+        assert torch.isfinite(x.float()).all() and err <= (4e-3 if name == "o" else TOL[name]), (where, name)
+
+
 def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
     """One W = 1 forward + backward through kda_kcp.cuda (segmented forward and backward walks, folds, a
     workspace of exactly the queried size) against the FP64 oracle, and the lean backward (2 passes)
     bitwise equal to the replay one."""
-    backend = CudaBackend(True)
-    programs = _Programs(emu)
-    monkeypatch.setattr(function, "select_backend", lambda device, det: backend)
-    monkeypatch.setattr(kda_kcp.backend, "select_backend", lambda device, det: backend)
-    monkeypatch.setattr(function, "check_inputs", lambda *a: None)  # CPU tensors stand for CUDA ones
-    monkeypatch.setattr(forward, "check_tensors", lambda *a: None)
-    monkeypatch.setattr(cb, "check_tensors", lambda *a: None)
-    monkeypatch.setattr(forward, "load", lambda device: programs)
-    monkeypatch.setattr(cb, "load", lambda device: programs)
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "2")
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
     cu = [0, 70, 300]
     plan, inputs, do, _, _ = _case(cu, 1, 7)
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu))
@@ -275,16 +297,32 @@ def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
         torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H), dtype=torch.uint8), True, "replay", None)
     o, saved = function.forward_kcp(*inputs, ctx, None, True, ws)
     grads = function.backward_kcp(do, saved, ctx, ws)
-    leaves = [x.detach().double().requires_grad_() for x in inputs]
-    o64 = naive_kda(*leaves, cu, scale=SCALE)
-    ref = [o64.detach(), *torch.autograd.grad(o64, leaves, do.double())]
-    for name, x, r in zip(("o", *NAMES), (o, *grads), ref):
-        err = _rel(x, r)
-        print(f"emulated CUDA path {name}: vs FP64 {err:.2e}")
-        assert torch.isfinite(x.float()).all() and err <= (4e-3 if name == "o" else TOL[name]), name
+    _check_vs_oracle((o, *grads), _oracle(cu, inputs, do), "W=1")
     lean = kda_kcp.WorkspaceKcp.from_buffer(
         torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena="lean", lean_passes=2), dtype=torch.uint8),
         True, "lean", 2)
     lean_grads = function.backward_kcp(do, saved, ctx, lean)
     for name, x, r in zip(NAMES, lean_grads, grads):
         assert torch.equal(x, r), f"{name}: the lean backward differs from the replay one"
+
+
+def _emulated_kcp(rank, world, lib_path):
+    """One rank of a W = 2 KCP step over gloo through kda_kcp.cuda with the emulated kernels (the KCP
+    summaries, their composition and both exchanges included), every layout, against the FP64 oracle."""
+    _use_emulated_programs(ctypes.CDLL(lib_path), setattr, os.environ.__setitem__)
+    cu = [0, 70, 300]  # the second document crosses the rank boundary in every layout
+    _, inputs, do, _, _ = _case(cu, 1, 8)
+    ref = _oracle(cu, inputs, do)
+    for layout in kda_kcp.LAYOUTS:
+        ctx = kda_kcp.build_context_kcp(torch.tensor(cu), dist.group.WORLD, layout)
+        local = [ctx.shard(x) for x in inputs]
+        o, saved = function.forward_kcp(*local, ctx, None, True, None)
+        grads = function.backward_kcp(ctx.shard(do), saved, ctx, None)
+        got = [gather_global(ctx, x.float()) for x in (o, *grads)]
+        _check_vs_oracle(got, ref, f"W={world} {layout}")
+
+
+def test_kcp_on_the_emulated_kernels(emu):
+    """W = 2 over gloo on the CPU: kda_kcp.cuda's KCP path (forward summaries composed, backward summaries,
+    the two exchanges, states handed across ranks) with the emulated kernels, all three layouts."""
+    run_distributed(_emulated_kcp, 2, emu._name)
