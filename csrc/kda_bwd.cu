@@ -418,6 +418,9 @@ struct WalkTiling {
   static constexpr int KSPLIT = NW / 4;      // key halves
   static constexpr int KT = 16 / KSPLIT;     // 8-key mma tiles per warp
   static constexpr int XBYTES = KSPLIT > 1 ? NW * 32 * 32 * 4 : 0;  // partial-product exchange (fp32)
+  // a warp's first column inside the CTA's 64, and its first key
+  static __device__ __forceinline__ int col(int warp) { return (KSPLIT > 1 ? warp & 3 : warp) * 16; }
+  static __device__ __forceinline__ int key0(int warp) { return KSPLIT > 1 ? (warp >> 2) * 8 * KT : 0; }
 };
 // forward stage: W, Kg (bf16 sw128), U tile (fp32 [64][WUL]), gamma
 constexpr int FW_W = 0;
@@ -488,8 +491,8 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
   const int vz = blockIdx.z * WCOLS;
   const bool withU = !SUMMARY || vz >= D;  // the E part (or the walk) carries U; the M part does not
   const int col0 = vz & (D - 1);
-  const int vloc = (T::KSPLIT > 1 ? warp & 3 : warp) * 16, vcol = col0 + vloc;
-  const int k0 = T::KSPLIT > 1 ? (warp >> 2) * 8 * KT : 0;  // this warp's keys: k0 .. k0 + 8 KT
+  const int vloc = T::col(warp), vcol = col0 + vloc;
+  const int k0 = T::key0(warp);  // this warp's keys: k0 .. k0 + 8 KT
   const int g4 = lane >> 2, l4 = lane & 3;
   const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], ssrc = a.runs[4 * r + 3];
   float* xb = reinterpret_cast<float*>(smem + 2 * FW_STAGE);
@@ -577,8 +580,8 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
   const int vz = blockIdx.z * WCOLS;        // virtual column base of the CTA
   const bool withF = !SUMMARY || vz >= D;   // the F part (dO terms) vs the M^T part
   const int col0 = vz & (D - 1);
-  const int vloc = (T::KSPLIT > 1 ? warp & 3 : warp) * 16, vcol = col0 + vloc;
-  const int k0 = T::KSPLIT > 1 ? (warp >> 2) * 8 * KT : 0;  // this warp's keys: k0 .. k0 + 8 KT
+  const int vloc = T::col(warp), vcol = col0 + vloc;
+  const int k0 = T::key0(warp);  // this warp's keys: k0 .. k0 + 8 KT
   const int g4 = lane >> 2, l4 = lane & 3;
   // rows (first chunk, chunks, idx, src): like the forward walk, with dstate_out; SUMMARY writes
   // mt_out[idx] / f_out[idx]

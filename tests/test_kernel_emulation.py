@@ -290,9 +290,9 @@ def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
     bitwise equal to the replay one."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
     cu = [0, 70, 300]
-    plan, inputs, do, _, _ = _case(cu, 1, 7)
-    ctx = kda_kcp.build_context_kcp(torch.tensor(cu))
     H = 1
+    _, inputs, do, _, _ = _case(cu, H, 7)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu))
     ws = kda_kcp.WorkspaceKcp.from_buffer(
         torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H), dtype=torch.uint8), True, "replay", None)
     o, saved = function.forward_kcp(*inputs, ctx, None, True, ws)

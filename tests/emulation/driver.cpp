@@ -22,12 +22,12 @@ int e_rev_summary(void* dout, char* prep, int32_t* chunks, int nchunks, int32_t*
   Args a{}; a.dout = dout; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = segs; a.nruns = nseg; a.H = H; a.mt_out = mt; a.f_out = f;
   return launch_rev_summary(a, warps, nullptr);
 }
-}
-extern "C" int e_grads(void* q, void* k, void* v, float* g, void* beta, void* dout, int32_t* chunks, int nchunks, int H, char* prep,
-                       float* h, float* dh, void* dq, void* dk, void* dv, float* dg, void* dbeta, float scale, int warps) {
+int e_grads(void* q, void* k, void* v, float* g, void* beta, void* dout, int32_t* chunks, int nchunks, int H, char* prep,
+             float* h, float* dh, void* dq, void* dk, void* dv, float* dg, void* dbeta, float scale, int warps) {
   Args a{}; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.dout = dout; a.chunks = chunks; a.nchunks = nchunks; a.H = H;
   a.prep = prep; a.h = h; a.dh = dh; a.dq = dq; a.dk = dk; a.dv = dv; a.dg = dg; a.dbeta = dbeta; a.scale = scale;
   return launch_grads(a, warps, nullptr);
+}
 }
 
 // ---- the forward (csrc/kda_fwd.cu) and the FP32 affine merge (csrc/kda_affine_merge.cuh) ----
