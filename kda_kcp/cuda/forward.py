@@ -36,6 +36,9 @@ SUMMARY_STEP = 0.57  # [M | E] tiles: (256 + 296) / 2 mma per warp against 484 f
 CTAS_PER_SM = 2  # walk CTAs resident per SM (smem ~85 KB at NW = 4, 205 registers)
 MERGE_STEP = 1.5  # one fold step (the FP32 merge kernel, 128 x 128 x 128) in output steps
 CTA_START = 1.0  # a CTA's first loads and state in/out, in output steps
+# A CTA alone on its SM steps faster than one of two sharing it: whole runs at H = 16 (128 CTAs on 132
+# SMs) took 0.62 of the shared step time (H200, session 4: fwd 13.29 -> 11.45 ms against 58-chunk segments).
+LONE_STEP = 0.62
 
 
 def _warps() -> int:
@@ -54,6 +57,8 @@ def _pass_steps(lengths: list[int], ctas_per_seg: int, step: float, slots: int) 
     """List-scheduling estimate (in output steps) of one pass of CTAs, `slots` resident at a time."""
     if not lengths:
         return 0.0
+    if len(lengths) * ctas_per_seg <= slots // CTAS_PER_SM:  # one CTA per SM: the longest alone sets the time
+        return (max(lengths) + CTA_START) * step * LONE_STEP
     work = sum(length + CTA_START for length in lengths) * ctas_per_seg * step
     return work / slots + (max(lengths) + CTA_START) * step * (1.0 - 1.0 / slots)
 
