@@ -164,6 +164,16 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
   const int d0 = cp * 2;
   const int g4 = lane >> 2, l4 = lane & 3;
 
+  {  // L2 look-ahead (kda_common.cuh): the inputs of the CTA a wave ahead (two CTAs per SM)
+    int fc, fh;
+    if (cta_one_wave_ahead(2, fc, fh)) {
+      const int64_t fb = (static_cast<int64_t>(a.chunks[2 * fc]) * H + fh) * D;
+      const int fn = a.chunks[2 * fc + 1];
+      prefetch_rows_l2<PT>(q + fb, static_cast<int64_t>(H) * D, fn, D * 2, tid);
+      prefetch_rows_l2<PT>(k + fb, static_cast<int64_t>(H) * D, fn, D * 2, tid);
+      prefetch_rows_l2<PT>(a.g + fb, static_cast<int64_t>(H) * D, fn, D * 4, tid);
+    }
+  }
   // ---- loads straight to registers (rows past the chunk's end read as zero) ----
   float G0[16], G1[16];
   uint32_t kk[16];
@@ -335,7 +345,7 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
 
   __syncthreads();  // Qr is read (Qg) before A overwrites it
   // ---- A = (I + L)^-1 in FP32: diagonal blocks (column-oriented substitution), then levels ----
-  invert_diag_blocks<LDL>(sL, sA, tid);
+  invert_diag_blocks<LDL, PT>(sL, sA, tid);
   __syncthreads();
 #pragma unroll
   for (int it = 0; it < 4; ++it) {  // staged Qg and Kg to the record in 16-byte pieces (before A diag(beta)

@@ -14,6 +14,7 @@
 #   ab         the backward's det arm at H in $HEADS under each value of $AB_VAR in $AB_VALUES (default: the
 #              gradient kernel's warps, KDA_KCP_BWD_GRADS_WARPS = 8 16), no FLA, no oracle
 #   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16
+#   ncu_src    Nsight Compute, every section and per-source-line stall samples, on the kernels in $NCU_KERNELS
 #   sanitize   compute-sanitizer memcheck, racecheck, initcheck on one small fwd + bwd (scripts/profile_step.py)
 #   demo       python -m kda_kcp.demo (the README's main command)
 #   cache      pack Triton's cache (binaries, metadata, autotune results) into $OUT/triton-cache-part-*; carry them back as .build/triton-cache/part-*
@@ -100,6 +101,15 @@ for st in "$@"; do
         --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         python3 scripts/profile_step.py --heads 16 > "$OUT/ncu.log" 2>&1
       add "ncu rc=$?"; grep -E "^  [a-z_].*\(|Duration|Throughput|Registers|Achieved Occupancy|Block Limit" "$OUT/ncu.log" | head -120;;
+    ncu_src)  # the full section set with source-line sampling for the kernels in $NCU_KERNELS (one launch each)
+      timeout $(( $(left) - 40 )) ncu --clock-control none --set full --import-source yes \
+        --kernel-name-base demangled -k "regex:${NCU_KERNELS:-grads_kernel}" --launch-count ${NCU_COUNT:-1} \
+        -o /tmp/src python3 scripts/profile_step.py --heads 16 > "$OUT/ncu_src.log" 2>&1
+      add "ncu_src rc=$?"
+      ncu -i /tmp/src.ncu-rep --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
+      ncu -i /tmp/src.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
+      ncu -i /tmp/src.ncu-rep --page source --csv --print-source cuda > "$OUT/ncu_cuda.csv" 2>&1
+      ls -la "$OUT"/ncu_*;;
     sanitize)  # compute-sanitizer on one small fwd + bwd (segmented walks forced), each tool as time allows
       for tool in memcheck racecheck initcheck; do
         if [ "$(left)" -lt 40 ]; then add "sanitize $tool: no time left"; continue; fi
