@@ -414,25 +414,11 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const Args a) {
 // ================================================================================================
 // walks: one CTA per (run or segment, head, 64 state columns: value columns, or virtual [M^T | F] /
 // [M | E] columns in summary mode); the state is held transposed, ST[v][d], as mma accumulators.
-// WalkTiling<NW>: NW = 4 warps, each owning 16 columns x all 128 keys; or NW = 8 warps, each owning
-// 16 columns x one half of the keys (twice the warps per SM, half the products per warp); the two
-// halves' partial products that contract over keys (V_new, dV_new) are summed through shared memory,
-// both warps adding the same two partials (IEEE addition commutes: they agree bitwise).
+// 4 warps per CTA, each owning 16 columns x all 128 keys.
 // ================================================================================================
+constexpr int WNT = 4 * 32;            // threads per walk CTA
 constexpr int WCOLS = 64;              // state columns per walk CTA
 constexpr int WUL = WCOLS + 4;         // fp32 row stride of the U tile
-
-template <int NW>
-struct WalkTiling {
-  static_assert(NW == 4 || NW == 8, "4 or 8 warps");
-  static constexpr int NT = NW * 32;
-  static constexpr int KSPLIT = NW / 4;      // key halves
-  static constexpr int KT = 16 / KSPLIT;     // 8-key mma tiles per warp
-  static constexpr int XBYTES = KSPLIT > 1 ? NW * 32 * 32 * 4 : 0;  // partial-product exchange (fp32)
-  // a warp's first column inside the CTA's 64, and its first key
-  static __device__ __forceinline__ int col(int warp) { return (KSPLIT > 1 ? warp & 3 : warp) * 16; }
-  static __device__ __forceinline__ int key0(int warp) { return KSPLIT > 1 ? (warp >> 2) * 8 * KT : 0; }
-};
 // forward stage: W, Kg (bf16 sw128), U tile (fp32 [64][WUL]), gamma
 constexpr int FW_W = 0;
 constexpr int FW_KG = 16384;
@@ -450,12 +436,11 @@ constexpr int RW_GAM = 73728;
 constexpr int RW_STAGE = RW_GAM + 512;
 static_assert(WCOLS == 64, "the dO tile is a 64-column swizzled tile");
 
-// ST = ST Diag(gamma) over this warp's keys k0 .. k0 + 8 KT (gamma fp32 [128] in shared memory).
-template <int KT>
-__device__ __forceinline__ void decay_state(float (&ST)[KT][4], const float* sGam, int l4, int k0) {
+// ST = ST Diag(gamma) (gamma fp32 [128] in shared memory): S^T's columns are keys.
+__device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGam, int l4) {
 #pragma unroll
-  for (int nt = 0; nt < KT; ++nt) {
-    const float ga0 = sGam[k0 + nt * 8 + 2 * l4], ga1 = sGam[k0 + nt * 8 + 2 * l4 + 1];
+  for (int nt = 0; nt < 16; ++nt) {
+    const float ga0 = sGam[nt * 8 + 2 * l4], ga1 = sGam[nt * 8 + 2 * l4 + 1];
     ST[nt][0] *= ga0;
     ST[nt][1] *= ga1;
     ST[nt][2] *= ga0;
@@ -463,66 +448,47 @@ __device__ __forceinline__ void decay_state(float (&ST)[KT][4], const float* sGa
   }
 }
 
-// acc += the other key half's partial (KSPLIT = 2); xb: the exchange area, one 32 x 32 fp32 slab per warp.
-// Every thread of the block calls it (it synchronizes).
-template <int KSPLIT>
-__device__ __forceinline__ void add_key_halves(float (&acc)[8][4], float* xb, int warp, int lane) {
-  if constexpr (KSPLIT > 1) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) xb[(warp * 32 + i) * 32 + lane] = acc[i >> 2][i & 3];
-    __syncthreads();
-    const int other = warp ^ 4;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[i >> 2][i & 3] += xb[(other * 32 + i) * 32 + lane];
-  }
-}
-
-template <int NT>
 __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU, int tid) {
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
-  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
+  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
+  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
   if (withU)
-    load_f32<NT>(reinterpret_cast<float*>(st + FW_U), WUL, reinterpret_cast<const float*>(rec + kRecU) + col0, D, C,
-                 WCOLS, C, tid);
-  load_f32<NT>(reinterpret_cast<float*>(st + FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1, tid);
+    load_f32<WNT>(reinterpret_cast<float*>(st + FW_U), WUL, reinterpret_cast<const float*>(rec + kRecU) + col0, D, C,
+                  WCOLS, C, tid);
+  load_f32<WNT>(reinterpret_cast<float*>(st + FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1, tid);
 }
 
 // Rows of a.runs: (first chunk, chunks, idx, src). Walk (!SUMMARY): the state enters from a.fold[idx]
 // when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written.
 // SUMMARY: virtual columns [M (0..127) | E (128..255)] of the segment's affine map from a zero state,
 // grid.z = 4, written to m_out[idx] / e_out[idx] (M indexed [key_out][key_in]).
-template <bool SUMMARY, int NW>
-__global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
-  using T = WalkTiling<NW>;
-  constexpr int NT = T::NT, KT = T::KT;
+template <bool SUMMARY>
+__global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x, h = blockIdx.y, H = a.H;
   const int vz = blockIdx.z * WCOLS;
   const bool withU = !SUMMARY || vz >= D;  // the E part (or the walk) carries U; the M part does not
   const int col0 = vz & (D - 1);
-  const int vloc = T::col(warp), vcol = col0 + vloc;
-  const int k0 = T::key0(warp);  // this warp's keys: k0 .. k0 + 8 KT
+  const int vloc = warp * 16, vcol = col0 + vloc;
   const int g4 = lane >> 2, l4 = lane & 3;
   const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], ssrc = a.runs[4 * r + 3];
-  float* xb = reinterpret_cast<float*>(smem + 2 * FW_STAGE);
 
-  float ST[KT][4];
+  float ST[16][4];
   {
     const float* src = nullptr;
     if (!SUMMARY) {
       if (ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
       else if (a.state_in != nullptr && sidx >= 0) src = a.state_in + (static_cast<int64_t>(sidx) * H + h) * D * D;
     }
-    state_tile_init<!SUMMARY, KT>(ST, src, !withU, vcol, g4, l4, k0);
+    state_tile_init<!SUMMARY>(ST, src, !withU, vcol, g4, l4);
   }
-  if (nc > 0) fwd_stage_load<NT>(smem, a, first, h, col0, withU, tid);
+  if (nc > 0) fwd_stage_load(smem, a, first, h, col0, withU, tid);
   cp_async_commit();
   for (int j = 0; j < nc; ++j) {
     char* st = smem + (j & 1) * FW_STAGE;
     if (j + 1 < nc) {
-      fwd_stage_load<NT>(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU, tid);
+      fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU, tid);
       cp_async_commit();
       cp_async_wait1();
     } else {
@@ -536,85 +502,78 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     // h of this chunk: the state entering it
     if constexpr (!SUMMARY) {
       float* dst = a.h + (static_cast<int64_t>(first + j) * H + h) * D * D;
-      state_tile_store<KT>(dst, ST, vcol, g4, l4, k0);
+      state_tile_store(dst, ST, vcol, g4, l4);
     }
-    // V_new^T = U^T - S^T W^T (the first key half carries U)
+    // V_new^T = U^T - S^T W^T
     float VN[8][4];
-    const bool addU = withU && k0 == 0;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) VN[nt][e] = addU ? sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)] : 0.f;
-    state_tile_mul<true, KT>(VN, ST, sW, lane, k0);
-    add_key_halves<T::KSPLIT>(VN, xb, warp, lane);
+      for (int e = 0; e < 4; ++e) VN[nt][e] = withU ? sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)] : 0.f;
+    state_tile_mul<true>(VN, ST, sW, lane);
     uint32_t vh[4][4], vl[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
     // S^T = S^T Diag(gamma) + V_new^T Kg
-    decay_state<KT>(ST, sGam, l4, k0);
+    decay_state(ST, sGam, l4);
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) state_tile_rank16<KT>(ST, vh[ks], vl[ks], sKg, ks, lane, k0);
-    __syncthreads();  // the next iteration's prefetch overwrites this stage (and the exchange area)
+    for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
   if constexpr (SUMMARY) {
     float* dst = (withU ? a.e_out : a.m_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
-    state_tile_store<KT>(dst, ST, vcol, g4, l4, k0);
+    state_tile_store(dst, ST, vcol, g4, l4);
   }
 }
 
-template <int NT>
 __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF, int tid) {
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
-  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
-  load_f32<NT>(reinterpret_cast<float*>(st + RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1, tid);
+  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
+  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
+  load_f32<WNT>(reinterpret_cast<float*>(st + RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1, tid);
   if (withF) {
-    load_bf16<128, NT>(reinterpret_cast<bf16*>(st + RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, C, tid);
-    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, C, tid);
-    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, C, tid);
+    load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, C, tid);
+    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, C, tid);
+    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, C, tid);
     const int64_t tok = a.chunks[2 * c];
     const int nrows = a.chunks[2 * c + 1];
-    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + RW_DO),
-                      static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D, C,
-                      nrows, tid);
+    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_DO),
+                       static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D, C,
+                       nrows, tid);
   }
 }
 
 // SUMMARY: virtual columns [M^T (0..127) | F (128..255)], grid.z = 4; else 128 value columns, grid.z = 2.
-template <bool SUMMARY, int NW>
-__global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
-  using T = WalkTiling<NW>;
-  constexpr int NT = T::NT, KT = T::KT;
+template <bool SUMMARY>
+__global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x, h = blockIdx.y, H = a.H;
   const int vz = blockIdx.z * WCOLS;        // virtual column base of the CTA
   const bool withF = !SUMMARY || vz >= D;   // the F part (dO terms) vs the M^T part
   const int col0 = vz & (D - 1);
-  const int vloc = T::col(warp), vcol = col0 + vloc;
-  const int k0 = T::key0(warp);  // this warp's keys: k0 .. k0 + 8 KT
+  const int vloc = warp * 16, vcol = col0 + vloc;
   const int g4 = lane >> 2, l4 = lane & 3;
   // rows (first chunk, chunks, idx, src): like the forward walk, with dstate_out; SUMMARY writes
   // mt_out[idx] / f_out[idx]
   const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], ssrc = a.runs[4 * r + 3];
-  float* xb = reinterpret_cast<float*>(smem + 2 * RW_STAGE);
 
-  float ST[KT][4];
+  float ST[16][4];
   {
     const float* src = nullptr;
     if (!SUMMARY) {
       if (ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
       else if (a.dstate_out != nullptr && sidx >= 0) src = a.dstate_out + (static_cast<int64_t>(sidx) * H + h) * D * D;
     }
-    state_tile_init<!SUMMARY, KT>(ST, src, !withF, vcol, g4, l4, k0);
+    state_tile_init<!SUMMARY>(ST, src, !withF, vcol, g4, l4);
   }
-  if (nc > 0) rev_stage_load<NT>(smem, a, first + nc - 1, h, col0, withF, tid);
+  if (nc > 0) rev_stage_load(smem, a, first + nc - 1, h, col0, withF, tid);
   cp_async_commit();
   for (int jj = 0; jj < nc; ++jj) {
     const int j = nc - 1 - jj;
     char* st = smem + (jj & 1) * RW_STAGE;
     if (j > 0) {
-      rev_stage_load<NT>(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF, tid);
+      rev_stage_load(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF, tid);
       cp_async_commit();
       cp_async_wait1();
     } else {
@@ -630,12 +589,12 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
     const float* sGam = reinterpret_cast<const float*>(st + RW_GAM);
     if constexpr (!SUMMARY) {
       float* dst = a.dh + (static_cast<int64_t>(first + j) * H + h) * D * D;
-      state_tile_store<KT>(dst, ST, vcol, g4, l4, k0);
+      state_tile_store(dst, ST, vcol, g4, l4);
     }
-    // dV_new^T = dO^T Aqk + dS^T Kg^T (the first key half carries dO^T Aqk)
+    // dV_new^T = dO^T Aqk + dS^T Kg^T
     float DV[8][4];
     zero_frags(DV);
-    if (withF && k0 == 0) {
+    if (withF) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         uint32_t ad[4];
@@ -652,19 +611,18 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
         }
       }
     }
-    state_tile_mul<false, KT>(DV, ST, sKg, lane, k0);
-    add_key_halves<T::KSPLIT>(DV, xb, warp, lane);
+    state_tile_mul<false>(DV, ST, sKg, lane);
     // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
-    decay_state<KT>(ST, sGam, l4, k0);
+    decay_state(ST, sGam, l4);
     if (withF) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         uint32_t ad[4];
         lda_t<64>(ad, sDO, vloc, ks * 16, lane);
 #pragma unroll
-        for (int np = 0; np < KT / 2; ++np) {
+        for (int np = 0; np < 8; ++np) {
           uint32_t b[4];
-          ldb_t<128>(b, sQg, ks * 16, k0 + np * 16, lane);
+          ldb_t<128>(b, sQg, ks * 16, np * 16, lane);
           mma_n16(ST[2 * np], ST[2 * np + 1], ad, b);
         }
       }
@@ -674,13 +632,13 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
       uint32_t vh[4], vl[4];
       split_afrag(DV[2 * ks], DV[2 * ks + 1], vh, vl);
       negate_split(vh, vl);
-      state_tile_rank16<KT>(ST, vh, vl, sW, ks, lane, k0);
+      state_tile_rank16(ST, vh, vl, sW, ks, lane);
     }
-    __syncthreads();  // the next iteration's prefetch overwrites this stage (and the exchange area)
+    __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
   if constexpr (SUMMARY) {
     float* dst = (withF ? a.f_out : a.mt_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
-    state_tile_store<KT>(dst, ST, vcol, g4, l4, k0);
+    state_tile_store(dst, ST, vcol, g4, l4);
   }
 }
 
@@ -1148,14 +1106,11 @@ cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cuda
   return cudaGetLastError();
 }
 
-// A walk (or summary) over grid (rows, heads, zdim) with WalkTiling<warps> (4 or 8): two stages of
-// stage_bytes, plus the key halves' exchange area at 8 warps.
-template <class K4, class K8>
-cudaError_t launch_walk(K4 k4, K8 k8, const Args& a, int warps, int stage_bytes, int zdim, cudaStream_t s) {
+// A walk (or summary) over grid (rows, heads, zdim): two stages of stage_bytes.
+template <class K>
+cudaError_t launch_walk(K kern, const Args& a, int stage_bytes, int zdim, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
-  const dim3 grid(a.nruns, a.H, zdim);
-  if (warps == 8) return launch(k8, grid, WalkTiling<8>::NT, 2 * stage_bytes + WalkTiling<8>::XBYTES, a, s);
-  return launch(k4, grid, WalkTiling<4>::NT, 2 * stage_bytes + WalkTiling<4>::XBYTES, a, s);
+  return launch(kern, dim3(a.nruns, a.H, zdim), WNT, 2 * stage_bytes, a, s);
 }
 
 }  // namespace
@@ -1165,17 +1120,17 @@ cudaError_t launch_prep(const Args& a, int warps, cudaStream_t s) {
   if (warps == 16) return launch(prep_kernel<512>, dim3(a.nchunks, a.H), 512, P_SMEM, a, s);
   return launch(prep_kernel<256>, dim3(a.nchunks, a.H), 256, P_SMEM, a, s);
 }
-cudaError_t launch_fwd_walk(const Args& a, int warps, cudaStream_t s) {
-  return launch_walk(fwd_walk_kernel<false, 4>, fwd_walk_kernel<false, 8>, a, warps, FW_STAGE, D / WCOLS, s);
+cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s) {
+  return launch_walk(fwd_walk_kernel<false>, a, FW_STAGE, D / WCOLS, s);
 }
-cudaError_t launch_fwd_summary(const Args& a, int warps, cudaStream_t s) {
-  return launch_walk(fwd_walk_kernel<true, 4>, fwd_walk_kernel<true, 8>, a, warps, FW_STAGE, 2 * D / WCOLS, s);
+cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s) {
+  return launch_walk(fwd_walk_kernel<true>, a, FW_STAGE, 2 * D / WCOLS, s);
 }
-cudaError_t launch_rev_walk(const Args& a, int warps, cudaStream_t s) {
-  return launch_walk(rev_walk_kernel<false, 4>, rev_walk_kernel<false, 8>, a, warps, RW_STAGE, D / WCOLS, s);
+cudaError_t launch_rev_walk(const Args& a, cudaStream_t s) {
+  return launch_walk(rev_walk_kernel<false>, a, RW_STAGE, D / WCOLS, s);
 }
-cudaError_t launch_rev_summary(const Args& a, int warps, cudaStream_t s) {
-  return launch_walk(rev_walk_kernel<true, 4>, rev_walk_kernel<true, 8>, a, warps, RW_STAGE, 2 * D / WCOLS, s);
+cudaError_t launch_rev_summary(const Args& a, cudaStream_t s) {
+  return launch_walk(rev_walk_kernel<true>, a, RW_STAGE, 2 * D / WCOLS, s);
 }
 cudaError_t launch_grads(const Args& a, int warps, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;

@@ -13,18 +13,16 @@ namespace kda {
 
 constexpr int kStateDim = 128;  // K = V = head dim
 
-// KT (16, or 8 when the keys are split between two warps): 8-key tiles held, keys k0 .. k0 + 8 KT.
-//
 // ST from src (fp32 [K][V], null: zero) when FROM_SRC, else the columns of the identity when `identity`
 // (summary from a zero state: the M part starts as I, the offset part as 0).
-template <bool FROM_SRC, int KT = 16>
-__device__ __forceinline__ void state_tile_init(float (&ST)[KT][4], const float* src, bool identity, int vcol,
-                                                int g4, int l4, int k0 = 0) {
+template <bool FROM_SRC>
+__device__ __forceinline__ void state_tile_init(float (&ST)[16][4], const float* src, bool identity, int vcol,
+                                                int g4, int l4) {
 #pragma unroll
-  for (int nt = 0; nt < KT; ++nt)
+  for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int v = vcol + g4 + 8 * (e >> 1), d = k0 + nt * 8 + 2 * l4 + (e & 1);
+      const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
       float x = 0.f;
       if constexpr (FROM_SRC) {
         if (src != nullptr) x = src[d * kStateDim + v];
@@ -36,26 +34,23 @@ __device__ __forceinline__ void state_tile_init(float (&ST)[KT][4], const float*
 }
 
 // ST -> dst (fp32 [K][V]).
-template <int KT = 16>
-__device__ __forceinline__ void state_tile_store(float* dst, const float (&ST)[KT][4], int vcol, int g4, int l4,
-                                                 int k0 = 0) {
+__device__ __forceinline__ void state_tile_store(float* dst, const float (&ST)[16][4], int vcol, int g4, int l4) {
 #pragma unroll
-  for (int nt = 0; nt < KT; ++nt)
+  for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int v = vcol + g4 + 8 * (e >> 1), d = k0 + nt * 8 + 2 * l4 + (e & 1);
+      const int v = vcol + g4 + 8 * (e >> 1), d = nt * 8 + 2 * l4 + (e & 1);
       dst[d * kStateDim + v] = ST[nt][e];
     }
 }
 
 // ST += V^T B for one 16-token step ks: V^T the A operand (hi + lo), B bf16 sw128 stored [token][key].
-template <int KT = 16>
-__device__ __forceinline__ void state_tile_rank16(float (&ST)[KT][4], const uint32_t (&vh)[4], const uint32_t (&vl)[4],
-                                                  const __nv_bfloat16* B, int ks, int lane, int k0 = 0) {
+__device__ __forceinline__ void state_tile_rank16(float (&ST)[16][4], const uint32_t (&vh)[4], const uint32_t (&vl)[4],
+                                                  const __nv_bfloat16* B, int ks, int lane) {
 #pragma unroll
-  for (int np = 0; np < KT / 2; ++np) {
+  for (int np = 0; np < 8; ++np) {
     uint32_t b[4];
-    ldb_t<128>(b, B, ks * 16, k0 + np * 16, lane);
+    ldb_t<128>(b, B, ks * 16, np * 16, lane);
     mma(ST[2 * np], vh, b[0], b[1]);
     mma(ST[2 * np + 1], vh, b[2], b[3]);
     mma(ST[2 * np], vl, b[0], b[1]);
@@ -63,20 +58,20 @@ __device__ __forceinline__ void state_tile_rank16(float (&ST)[KT][4], const uint
   }
 }
 
-// acc (16 rows x 64 columns, mma accumulators) += (-1)^NEG S^T B over this tile's keys, S^T the A operand
-// carried as hi + lo, B bf16 sw128 stored [column][key] (W or Kg of the backward walks).
-template <bool NEG, int KT = 16>
-__device__ __forceinline__ void state_tile_mul(float (&acc)[8][4], const float (&ST)[KT][4], const __nv_bfloat16* B,
-                                               int lane, int k0 = 0) {
+// acc (16 rows x 64 columns, mma accumulators) += (-1)^NEG S^T B, S^T the A operand carried as hi + lo,
+// B bf16 sw128 stored [column][key] (W or Kg of the backward walks).
+template <bool NEG>
+__device__ __forceinline__ void state_tile_mul(float (&acc)[8][4], const float (&ST)[16][4], const __nv_bfloat16* B,
+                                               int lane) {
 #pragma unroll
-  for (int ks = 0; ks < KT / 2; ++ks) {
+  for (int ks = 0; ks < 8; ++ks) {
     uint32_t sh[4], sl[4];
     split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
     if constexpr (NEG) negate_split(sh, sl);
 #pragma unroll
     for (int np = 0; np < 4; ++np) {
       uint32_t b[4];
-      ldb<128>(b, B, k0 + ks * 16, np * 16, lane);
+      ldb<128>(b, B, ks * 16, np * 16, lane);
       mma_n16(acc[2 * np], acc[2 * np + 1], sh, b);
       mma_n16(acc[2 * np], acc[2 * np + 1], sl, b);
     }

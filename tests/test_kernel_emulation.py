@@ -4,11 +4,11 @@ per CUDA thread, ldmatrix, mma.m16n8k16 and cp.async with their PTX semantics), 
 and synchronization mistakes fail CI instead of a device call. The emulated mma sums in FP64, so results
 are compared with the torch backend or the FP64 oracle within tolerances, not bitwise with a GPU.
 
-Checked: the backward's prep records, h and dh of the 4- and 8-warp walks and the four segment summaries
-against the torch walks; the gradient kernel at 16 warps (the default) and 8 warps against the torch
-backward; and the whole CUDA path (kda_kcp.cuda's wrappers: plans, tables, segmented walks, folds, the
-workspace arena, the lean backward) with the emulated kernels standing for the loaded programs, against
-the FP64 oracle, at W = 1 and at W = 2 over gloo (every layout). About six minutes on two cores."""
+Checked: the backward's prep records, h and dh of the walks and the four segment summaries against the
+torch walks; the gradient kernel at 16 warps (the default) and 8 warps against the torch backward; and
+the whole CUDA path (kda_kcp.cuda's wrappers: plans, tables, segmented walks, folds, the workspace arena,
+the lean backward) with the emulated kernels standing for the loaded programs, against the FP64 oracle,
+at W = 1 and at W = 2 over gloo (every layout). About six minutes on two cores."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def _prep(emu, plan, inputs):
 
 
 def test_records_walks_and_summaries(emu):
-    """Records vs the torch prep; h, dh (4 and 8 warps, with incoming states) vs the torch walks; the
-    summaries M, E, M^T, F at 8 warps vs 4 warps."""
+    """Records vs the torch prep; h, dh (with incoming states) and the summaries M, E, M^T, F vs the torch
+    walks."""
     plan, inputs, do, sin, dso = _case([0, 70, 230], 2, 5)
     H, R = 2, plan.num_runs
     chunks, runs, prep = _prep(emu, plan, inputs)
@@ -140,27 +140,23 @@ def test_records_walks_and_summaries(emu):
         print(f"emulated prep {name}: vs torch {e:.2e}")
         assert e <= 1e-2, name
     pr = Prep(W, U, Aqk, Qg, Kg, gamma)
+    doc = cs.gather(do, torch.float32)
     h_ref, _, _ = state_walk(pr, cs.steps, sin)
-    dh_ref, _, _ = reverse_walk(pr, cs.gather(do, torch.float32), cs.steps, SCALE, dso)
-    out = {}
-    for w in (4, 8):
-        h = torch.full((nc, H, 128, 128), float("nan"))
-        dh = torch.full_like(h, float("nan"))
-        assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h), w) == 0
-        assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh), w) == 0
-        summ = [torch.full((R, H, 128, 128), float("nan")) for _ in range(4)]
-        m, e, mt, f = summ
-        assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e), w) == 0
-        assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f), w) == 0
-        out[w] = dict(h=h, dh=dh, M=m, E=e, Mt=mt, F=f)
-        for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref)):
-            err = _rel(x, r)
-            print(f"emulated {w}-warp walk {name}: vs torch {err:.2e}")
-            assert torch.isfinite(x).all() and err <= 1e-2, (w, name)
-    for name in out[4]:
-        err = _rel(out[8][name], out[4][name])
-        print(f"emulated walks {name}: 8 vs 4 warps {err:.2e}")
-        assert torch.isfinite(out[8][name]).all() and err <= 1e-5, name
+    dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, dso)
+    _, e_ref, m_ref = state_walk(pr, cs.steps, None, summary=True)  # each run's map from a zero start
+    _, f_ref, mt_ref = reverse_walk(pr, doc, cs.steps, SCALE, None, summary=True)
+    h = torch.full((nc, H, 128, 128), float("nan"))
+    dh = torch.full_like(h, float("nan"))
+    assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h)) == 0
+    assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh)) == 0
+    m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
+    assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e)) == 0
+    assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f)) == 0
+    for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("M", m, m_ref), ("E", e, e_ref), ("Mt", mt, mt_ref),
+                       ("F", f, f_ref)):
+        err = _rel(x, r)
+        print(f"emulated walk {name}: vs torch {err:.2e}")
+        assert torch.isfinite(x).all() and err <= 1e-2, name
 
 
 def test_gradient_kernel(emu):
@@ -173,8 +169,8 @@ def test_gradient_kernel(emu):
     nc = chunks.shape[0]
     h = torch.full((nc, H, 128, 128), float("nan"))
     dh = torch.full_like(h, float("nan"))
-    assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h), 4) == 0
-    assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh), 4) == 0
+    assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h)) == 0
+    assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh)) == 0
     ref = TorchBackend().bwd_grads(*inputs, do, SCALE, plan, None, None)
     got = {}
     for w in (16, 8):
@@ -208,21 +204,21 @@ class _Programs:
         self._ok(self.lib.e_prep(*map(_p, (q, k, v, g, beta, chunks)), chunks.shape[0], q.shape[1],
                                  ctypes.c_float(scale), _p(prep), warps), "bwd_prep")
 
-    def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, h, warps):
+    def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, h):
         self._ok(self.lib.e_fwd_walk(_p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0], h.shape[1],
-                                     _p(state_in), _p(fold), _p(h), warps), "bwd_fwd_walk")
+                                     _p(state_in), _p(fold), _p(h)), "bwd_fwd_walk")
 
-    def bwd_rev_walk(self, dout, prep, chunks, runs, dstate_out, fold, dh, warps):
+    def bwd_rev_walk(self, dout, prep, chunks, runs, dstate_out, fold, dh):
         self._ok(self.lib.e_rev_walk(_p(dout), _p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0],
-                                     dh.shape[1], _p(dstate_out), _p(fold), _p(dh), warps), "bwd_rev_walk")
+                                     dh.shape[1], _p(dstate_out), _p(fold), _p(dh)), "bwd_rev_walk")
 
-    def bwd_fwd_summary(self, prep, chunks, segs, m, e, warps):
+    def bwd_fwd_summary(self, prep, chunks, segs, m, e):
         self._ok(self.lib.e_fwd_summary(_p(prep), _p(chunks), chunks.shape[0], _p(segs), segs.shape[0], m.shape[1],
-                                        _p(m), _p(e), warps), "bwd_fwd_summary")
+                                        _p(m), _p(e)), "bwd_fwd_summary")
 
-    def bwd_rev_summary(self, dout, prep, chunks, runs, mt, f, warps):
+    def bwd_rev_summary(self, dout, prep, chunks, runs, mt, f):
         self._ok(self.lib.e_rev_summary(_p(dout), _p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0],
-                                        mt.shape[1], _p(mt), _p(f), warps), "bwd_rev_summary")
+                                        mt.shape[1], _p(mt), _p(f)), "bwd_rev_summary")
 
     def bwd_grads(self, q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, warps):
         self._ok(self.lib.e_grads(*map(_p, (q, k, v, g, beta, do, chunks)), chunks.shape[0], q.shape[1], _p(prep),

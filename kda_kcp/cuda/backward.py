@@ -35,11 +35,11 @@ ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "
                 "bwd_grads")
 
 
-def _warps(var: str, default: int, allowed=(8, 16)) -> int:
-    """Warps per CTA of a kernel family, one of ``allowed``, overridable by the environment variable ``var``."""
+def _warps(var: str, default: int) -> int:
+    """Warps per CTA of a per-chunk kernel, 8 or 16, overridable by the environment variable ``var``."""
     w = int(os.environ.get(var, "") or default)
-    if w not in allowed:
-        raise ValueError(f"{var} must be one of {allowed}, got {w}")
+    if w not in (8, 16):
+        raise ValueError(f"{var} must be 8 or 16, got {w}")
     return w
 
 
@@ -54,13 +54,6 @@ def _prep_warps() -> int:
     """Warps per CTA of the backward prep: 16 (the default; bitwise the same records as 8, and bwd 47.6 ->
     46.8 ms at H = 16, 179.4 -> 176.9 ms at H = 64, NOTES.md session 3) or 8 (``KDA_KCP_BWD_PREP_WARPS=8``)."""
     return _warps("KDA_KCP_BWD_PREP_WARPS", 16)
-
-
-def _walk_warps() -> int:
-    """Warps per CTA of the backward walks and summaries: 4 (the default: each warp holds 16 state columns
-    x 128 keys) or 8 (``KDA_KCP_BWD_WALK_WARPS=8``: 16 columns x 64 keys each, the two key halves' partial
-    products summed through shared memory; written in session 3, not yet measured on a GPU)."""
-    return _warps("KDA_KCP_BWD_WALK_WARPS", 4, (4, 8))
 
 
 def load(device=None):
@@ -352,7 +345,7 @@ class PreparedBackward:
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
             self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale, _prep_warps())
-        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F, _walk_warps())
+        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F)
         return Mt, F
 
     def grads(self, state_in=None, dstate_out=None):
@@ -379,17 +372,17 @@ class PreparedBackward:
         if st.num_sum_f:
             m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
             e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
-            mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e, _walk_warps())
+            mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
             mod.merge_fold(m, e, st.fchains, sin, ffold)
-        mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h, _walk_warps())
+        mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
         if st.num_sum_r:
             mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
-            mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f, _walk_warps())
+            mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
             mod.merge_fold(mt, f, st.rchains, dso, rfold)
-        mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh, _walk_warps())
+        mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
         mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
         return grads
 
@@ -431,9 +424,9 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
             prep, _, _ = views(p)
             mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
             if p.fsum.shape[0]:
-                mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e, _walk_warps())
+                mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e)
             if p.rsum.shape[0]:
-                mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f, _walk_warps())
+                mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f)
         if st.num_sum_f:
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
             mod.merge_fold(m, e, st.fchains, sin, ffold)
@@ -444,8 +437,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     for p in lean:
         prep, h, dh = views(p)
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
-        mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h, _walk_warps())
-        mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh, _walk_warps())
+        mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h)
+        mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh)
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())
 
 
