@@ -458,16 +458,6 @@ __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, i
   load_f32<WNT>(reinterpret_cast<float*>(st + FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1, tid);
 }
 
-// The walks stream one record per chunk step through a double buffer (one step of look-ahead); their
-// loads and the h / dh stores move ~1.8 TB/s at H = 16, so the record two steps ahead is also pulled
-// into L2 (kda_common.cuh) for the cp.async of the next step to hit.
-__device__ __forceinline__ void fwd_stage_prefetch(const Args& a, int c, int h, int col0, bool withU, int tid) {
-  const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  prefetch_bytes_l2<WNT>(rec + kRecW, 2 * C * D * 2, tid);  // W and Kg
-  if (withU) prefetch_rows_l2<WNT>(reinterpret_cast<const float*>(rec + kRecU) + col0, D, C, WCOLS * 4, tid);
-  prefetch_bytes_l2<WNT>(rec + kRecGam, D * 4, tid);
-}
-
 // Rows of a.runs: (first chunk, chunks, idx, src). Walk (!SUMMARY): the state enters from a.fold[idx]
 // when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written.
 // SUMMARY: virtual columns [M (0..127) | E (128..255)] of the segment's affine map from a zero state,
@@ -500,7 +490,6 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
     if (j + 1 < nc) {
       fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU, tid);
       cp_async_commit();
-      if (j + 2 < nc) fwd_stage_prefetch(a, first + j + 2, h, col0, withU, tid);
       cp_async_wait1();
     } else {
       cp_async_wait_all();
@@ -554,17 +543,6 @@ __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, i
   }
 }
 
-__device__ __forceinline__ void rev_stage_prefetch(const Args& a, int c, int h, int col0, bool withF, int tid) {
-  const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  prefetch_bytes_l2<WNT>(rec + kRecW, withF ? kRecAqkL + C * C * 2 : 2 * C * D * 2, tid);  // W, Kg (Qg, Aqk)
-  prefetch_bytes_l2<WNT>(rec + kRecGam, D * 4, tid);
-  if (withF) {
-    const int64_t tok = a.chunks[2 * c];
-    prefetch_rows_l2<WNT>(static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D,
-                          a.chunks[2 * c + 1], WCOLS * 2, tid);
-  }
-}
-
 // SUMMARY: virtual columns [M^T (0..127) | F (128..255)], grid.z = 4; else 128 value columns, grid.z = 2.
 template <bool SUMMARY>
 __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
@@ -597,7 +575,6 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     if (j > 0) {
       rev_stage_load(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF, tid);
       cp_async_commit();
-      if (j >= 2) rev_stage_prefetch(a, first + j - 2, h, col0, withF, tid);
       cp_async_wait1();
     } else {
       cp_async_wait_all();

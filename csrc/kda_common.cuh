@@ -147,15 +147,9 @@ __device__ __forceinline__ bool cta_one_wave_ahead(int ctas_per_sm, int& chunk, 
 // each) into L2, one 128-byte line per thread step.
 template <int NT, class T>
 __device__ __forceinline__ void prefetch_rows_l2(const T* base, int64_t stride, int nrows, int bytes_per_row, int tid) {
-  const int lines = (bytes_per_row + 127) / 128;
+  const int lines = bytes_per_row / 128;
   for (int l = tid; l < nrows * lines; l += NT)
     prefetch_l2(reinterpret_cast<const char*>(base + (l / lines) * stride) + (l % lines) * 128);
-}
-
-// Prefetch a contiguous byte range into L2 (whole 128-byte lines; `p` line-aligned).
-template <int NT>
-__device__ __forceinline__ void prefetch_bytes_l2(const void* p, int bytes, int tid) {
-  for (int l = tid; l < bytes / 128; l += NT) prefetch_l2(static_cast<const char*>(p) + l * 128);
 }
 
 }  // namespace kda

@@ -499,22 +499,6 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     }
   };
 
-  // L2 look-ahead two chunks ahead (kda_common.cuh): chunk ch + 1's groups are issued during step ch and
-  // AK(ch) is awaited inside its own step, so a cp.async that misses L2 stalls the step on DRAM
-  auto prefetch = [&](int ch) {
-    const char* rec = record(ch);
-    if (OUT) {
-      prefetch_bytes_l2<NT>(rec, kFwdRecordBytes, tid);
-    } else {
-      prefetch_bytes_l2<NT>(rec + R_W, 16384, tid);
-      prefetch_bytes_l2<NT>(rec + R_KG, 16384, tid);
-      prefetch_bytes_l2<NT>(rec + R_GAM, 512, tid);
-      if (isE) prefetch_bytes_l2<NT>(rec + R_ABH, 2 * TRI, tid);
-    }
-    if (isE)
-      prefetch_rows_l2<NT>(vin + (chunk_tok(ch) * H + h) * D + vt0, static_cast<int64_t>(H) * D, chunk_rows(ch), VT * 2, tid);
-  };
-
   // ---- the state columns of this warp, transposed (rows = value columns, cols = keys) ----
   float ST[16][4];
   {
@@ -552,7 +536,6 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     __syncthreads();
     issue_ak(ch);
     cp_async_commit();
-    if (ch + 2 < nchunks) prefetch(ch + 2);
 
     // ---- U^T = V^T (A diag(beta))^T ----
     float VN[8][4];

@@ -88,7 +88,6 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
 inline void prefetch_l2(const void*) {}  // a cache hint: nothing to emulate
 inline bool cta_one_wave_ahead(int, int&, int&) { return false; }
 template <int NT, class T> inline void prefetch_rows_l2(const T*, int64_t, int, int, int) {}
-template <int NT> inline void prefetch_bytes_l2(const void*, int, int) {}
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {}
 inline void mma_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
