@@ -256,17 +256,6 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const Args a) {
 
   const int64_t gs = static_cast<int64_t>(H) * D;
   const int64_t base = (tok * H + h) * D;
-  {  // L2 look-ahead (kda_common.cuh): the inputs of the CTA a wave ahead
-    int fc, fh;
-    if (cta_one_wave_ahead(1, fc, fh)) {
-      const int64_t fb = (static_cast<int64_t>(a.chunks[2 * fc]) * H + fh) * D;
-      const int fn = a.chunks[2 * fc + 1];
-      prefetch_rows_l2<NT>(static_cast<const bf16*>(a.q) + fb, gs, fn, D * 2, tid);
-      prefetch_rows_l2<NT>(static_cast<const bf16*>(a.k) + fb, gs, fn, D * 2, tid);
-      prefetch_rows_l2<NT>(static_cast<const bf16*>(a.v) + fb, gs, fn, D * 2, tid);
-      prefetch_rows_l2<NT>(a.g + fb, gs, fn, D * 4, tid);
-    }
-  }
   load_bf16<128, NT>(sQ, static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
   load_bf16<128, NT>(sK, static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
   load_bf16<128, NT>(sV, static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
@@ -746,20 +735,6 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   float* sDgam = reinterpret_cast<float*>(smem + S_DGAM);
   float* sCs = reinterpret_cast<float*>(smem + S_CS);
   float* sDb = reinterpret_cast<float*>(smem + S_DB);
-
-  // L2 look-ahead (kda_common.cuh): this CTA's phase-B inputs, and h, dh of the CTA a wave ahead (the
-  // synchronous S / dS loads below are the largest exposed wait of the kernel: ~12 % of its samples)
-  prefetch_rows_l2<NT>(a.g + base, gs, nrows, D * 4, tid);
-  prefetch_rows_l2<NT>(static_cast<const bf16*>(a.q) + base, gs, nrows, D * 2, tid);
-  prefetch_rows_l2<NT>(static_cast<const bf16*>(a.k) + base, gs, nrows, D * 2, tid);
-  {
-    int fc, fh;
-    if (cta_one_wave_ahead(1, fc, fh)) {
-      const int64_t st = (static_cast<int64_t>(fc) * H + fh) * D * D;
-      prefetch_rows_l2<NT>(a.h + st, D, D, D * 4, tid);
-      prefetch_rows_l2<NT>(a.dh + st, D, D, D * 4, tid);
-    }
-  }
 
   const int m0 = 16 * (warp & 3);
   const int cg = warp >> 2;           // column group: 4 row blocks x CG column groups of warps

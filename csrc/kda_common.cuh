@@ -127,29 +127,4 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // all but the most recently committed group have landed (double-buffered stage loads)
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
-// L2 look-ahead for kernels with one CTA per (chunk, head) whose loads sit exposed at the start of each
-// CTA (few CTAs per SM, no other CTA to hide them): a CTA pulls the inputs of the CTA one wave ahead
-// (ctas_per_sm x SMs later in launch order) into L2, so that CTA's loads hit L2 instead of DRAM.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-// (chunk, head) of the CTA one wave ahead in a grid (chunks, heads) launched chunk-fastest; false past the end.
-__device__ __forceinline__ bool cta_one_wave_ahead(int ctas_per_sm, int& chunk, int& head) {
-  uint32_t nsm;
-  asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));  // an upper bound of the SM count: at worst a little further ahead
-  const int64_t next = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x + static_cast<int64_t>(nsm) * ctas_per_sm;
-  if (next >= static_cast<int64_t>(gridDim.x) * gridDim.y) return false;
-  chunk = static_cast<int>(next % gridDim.x);
-  head = static_cast<int>(next / gridDim.x);
-  return true;
-}
-
-// Prefetch rows [0, nrows) of a token-major tile (row stride `stride` elements of `bytes_per_row` bytes
-// each) into L2, one 128-byte line per thread step.
-template <int NT, class T>
-__device__ __forceinline__ void prefetch_rows_l2(const T* base, int64_t stride, int nrows, int bytes_per_row, int tid) {
-  const int lines = bytes_per_row / 128;
-  for (int l = tid; l < nrows * lines; l += NT)
-    prefetch_l2(reinterpret_cast<const char*>(base + (l / lines) * stride) + (l % lines) * 128);
-}
-
 }  // namespace kda

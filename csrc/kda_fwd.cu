@@ -164,16 +164,6 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
   const int d0 = cp * 2;
   const int g4 = lane >> 2, l4 = lane & 3;
 
-  {  // L2 look-ahead (kda_common.cuh): the inputs of the CTA a wave ahead (two CTAs per SM)
-    int fc, fh;
-    if (cta_one_wave_ahead(2, fc, fh)) {
-      const int64_t fb = (static_cast<int64_t>(a.chunks[2 * fc]) * H + fh) * D;
-      const int fn = a.chunks[2 * fc + 1];
-      prefetch_rows_l2<PT>(q + fb, static_cast<int64_t>(H) * D, fn, D * 2, tid);
-      prefetch_rows_l2<PT>(k + fb, static_cast<int64_t>(H) * D, fn, D * 2, tid);
-      prefetch_rows_l2<PT>(a.g + fb, static_cast<int64_t>(H) * D, fn, D * 4, tid);
-    }
-  }
   // ---- loads straight to registers (rows past the chunk's end read as zero) ----
   float G0[16], G1[16];
   uint32_t kk[16];

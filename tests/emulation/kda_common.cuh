@@ -85,9 +85,6 @@ template <int RL> inline void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, in
 inline void cp_async16(void* dst, const void* src, bool valid) {
   if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
 }
-inline void prefetch_l2(const void*) {}  // a cache hint: nothing to emulate
-inline bool cta_one_wave_ahead(int, int&, int&) { return false; }
-template <int NT, class T> inline void prefetch_rows_l2(const T*, int64_t, int, int, int) {}
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {}
 inline void mma_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
