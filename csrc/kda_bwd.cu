@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const Args a) {
     const int r = p >> 6, cc = p & 63;
     if ((cc >> 4) > (r >> 4)) sA[r * LDL + cc] = 0.f;
   }
-  invert_diag_blocks<LDL, NT>(sL, sA, tid);
+  invert_diag_blocks<LDL>(sL, sA, tid);
   __syncthreads();
   for (int lev = 1; lev < 4; ++lev) {
     const int np = 4 - lev;

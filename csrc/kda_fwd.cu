@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
 
   __syncthreads();  // Qr is read (Qg) before A overwrites it
   // ---- A = (I + L)^-1 in FP32: diagonal blocks (column-oriented substitution), then levels ----
-  invert_diag_blocks<LDL, PT>(sL, sA, tid);
+  invert_diag_blocks<LDL>(sL, sA, tid);
   __syncthreads();
 #pragma unroll
   for (int it = 0; it < 4; ++it) {  // staged Qg and Kg to the record in 16-byte pieces (before A diag(beta)

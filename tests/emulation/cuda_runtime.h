@@ -60,14 +60,6 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
   w->bar.arrive_and_wait();
   return r;
 }
-inline float __shfl_sync(unsigned, float v, int src) {  // src within the warp (no width argument used)
-  WarpCtx* w = t_warp;
-  w->f[t_lane] = v;
-  w->bar.arrive_and_wait();
-  float r = w->f[src & 31];
-  w->bar.arrive_and_wait();
-  return r;
-}
 template <class K, class A>
 inline void emu_launch(K kern, dim3 grid, int threads, int, cudaStream_t, const A& a) {
   for (unsigned z = 0; z < grid.z; ++z)
