@@ -14,7 +14,8 @@
 #   ab         the backward's det arm at H in $HEADS under each value of $AB_VAR in $AB_VALUES (default: the
 #              gradient kernel's warps, KDA_KCP_BWD_GRADS_WARPS = 8 16), no FLA, no oracle
 #   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16
-#   ncu_src    Nsight Compute, every section and per-source-line stall samples, on the kernels in $NCU_KERNELS
+#   ncu_src    Nsight Compute, every section and per-instruction stall samples, on the kernels in $NCU_KERNELS
+#              (names joined by |), summed per phase by scripts/stall_regions.py
 #   sanitize   compute-sanitizer memcheck, racecheck, initcheck on one small fwd + bwd (scripts/profile_step.py)
 #   demo       python -m kda_kcp.demo (the README's main command)
 #   cache      pack Triton's cache (binaries, metadata, autotune results) into $OUT/triton-cache-part-*; carry them back as .build/triton-cache/part-*
@@ -108,8 +109,8 @@ for st in "$@"; do
       add "ncu_src rc=$?"
       ncu -i /tmp/src.ncu-rep --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
       ncu -i /tmp/src.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
-      ncu -i /tmp/src.ncu-rep --page source --csv --print-source cuda > "$OUT/ncu_cuda.csv" 2>&1
-      ls -la "$OUT"/ncu_*;;
+      IFS='|' read -ra names <<< "${NCU_KERNELS:-grads_kernel}"
+      for k in "${names[@]}"; do python3 scripts/stall_regions.py "$OUT/ncu_sass.csv" --kernel "$k" | tee -a "$OUT/stall_regions.md"; done;;
     sanitize)  # compute-sanitizer on one small fwd + bwd (segmented walks forced), each tool as time allows
       for tool in memcheck racecheck initcheck; do
         if [ "$(left)" -lt 40 ]; then add "sanitize $tool: no time left"; continue; fi
