@@ -5,11 +5,14 @@
 //                                          cores, A = (I + L)^-1 in FP32 (blocked substitution), W, U, Kg,
 //                                          s Qg, gamma -> one record per chunk-head in the workspace.
 //   fwd_walk_kernel  (run, head, 64 cols): S^T in registers (FP32 accumulators), serial over the run's
-//                                          chunks: writes h (state entering each chunk, FP32).
+//                                          chunks: writes h (state entering each chunk, FP32) and
+//                                          V_new (bf16 hi + lo, over U in the record).
 //   rev_walk_kernel  (run, head, 64 cols): dS^T in registers, serial from the run's end: writes dh
-//                                          (gradient of the state leaving each chunk, FP32), or the
-//                                          backward summary (M^T | F) of a run from a zero dS.
-//   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads),
+//                                          (gradient of the state leaving each chunk, FP32) and dV_new
+//                                          (bf16 hi + lo, into the record), or the backward summary
+//                                          (M^T | F) of a run from a zero dS.
+//   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads)
+//                                          from the record, h, dh and the walks' V_new / dV_new,
 //                                          every product on tensor cores, bf16 hi + lo operands
 //                                          (three products) wherever an operand is not exact in bf16.
 //
@@ -425,6 +428,31 @@ constexpr int RW_GAM = 73728;
 constexpr int RW_STAGE = RW_GAM + 512;
 static_assert(WCOLS == 64, "the dO tile is a 64-column swizzled tile");
 
+// One warp's V_new^T or dV_new^T (16 value columns from vloc, the 64 tokens of a chunk) for token step
+// ks, as the split A fragments hi / lo, into the record slot of its half (kRecVn / kRecDvn layout, `half`
+// = the slot + 128 z): the gradient kernel loads them instead of recomputing both products.
+// PINNED: st_global_pinned. The reverse walk needs it (plain stores, sunk by the compiler, keep hi / lo
+// live: 204 instead of 76 spilled bytes, nvcc 13.0); the forward walk does not (plain: no spills;
+// pinned: 44 bytes).
+template <bool PINNED>
+__device__ __forceinline__ void store_half_frag(bf16* half, const uint32_t (&hi)[4], const uint32_t (&lo)[4], int vloc,
+                                                int ks, int g4, int l4) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int v = vloc + g4 + 8 * (i & 1), t = 16 * ks + 2 * l4 + 8 * (i >> 1);
+    if constexpr (PINNED) {
+      st_global_pinned(half + v * kHalfRowStride + t, hi[i]);
+      st_global_pinned(half + v * kHalfRowStride + C + t, lo[i]);
+    } else {
+      *reinterpret_cast<uint32_t*>(half + v * kHalfRowStride + t) = hi[i];
+      *reinterpret_cast<uint32_t*>(half + v * kHalfRowStride + C + t) = lo[i];
+    }
+  }
+}
+__device__ __forceinline__ bf16* half_slot(const Args& a, int c, int h, int slot, int col0) {
+  return reinterpret_cast<bf16*>(a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes + slot) + 2 * col0;
+}
+
 // ST = ST Diag(gamma) (gamma fp32 [128] in shared memory): S^T's columns are keys.
 __device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGam, int l4) {
 #pragma unroll
@@ -503,6 +531,11 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
     uint32_t vh[4][4], vl[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
+    if constexpr (!SUMMARY) {  // V_new over this chunk's U (read above, from the stage)
+      bf16* vn = half_slot(a, first + j, h, kRecVn, col0);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) store_half_frag<false>(vn, vh[ks], vl[ks], vloc, ks, g4, l4);
+    }
     // S^T = S^T Diag(gamma) + V_new^T Kg
     decay_state(ST, sGam, l4);
 #pragma unroll
@@ -601,6 +634,15 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
       }
     }
     state_tile_mul<false>(DV, ST, sKg, lane);
+    if constexpr (!SUMMARY) {  // dV_new for the gradient kernel (split again below: fewer live registers)
+      bf16* dvn = half_slot(a, first + j, h, kRecDvn, col0);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t vh[4], vl[4];
+        split_afrag(DV[2 * ks], DV[2 * ks + 1], vh, vl);
+        store_half_frag<true>(dvn, vh, vl, vloc, ks, g4, l4);
+      }
+    }
     // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
     decay_state(ST, sGam, l4);
     if (withF) {
@@ -634,12 +676,9 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
 // ================================================================================================
 // chunk gradients
 // ================================================================================================
-// phase A (state products, two halves of the value columns)
+// phase A (state products, two halves of the value columns); V_new / dV_new of each half come from the
+// walks (bf16 hi / lo, transposed: [value column][token], sw64)
 constexpr int A_DO = 0;
-constexpr int A_W = 16384;
-constexpr int A_KG = 32768;
-constexpr int A_AQH = 49152;
-constexpr int A_AQL = 57344;
 constexpr int A_V = 65536;
 constexpr int A_AH = 81920;   // kept through phase B
 constexpr int A_AL = 90112;
@@ -647,10 +686,9 @@ constexpr int A_SH = 98304;   // bf16 sw64 [128][64]
 constexpr int A_SL = 114688;
 constexpr int A_DH = 131072;
 constexpr int A_DL = 147456;
-constexpr int A_VNH = 163840; // bf16 sw64 [64][64]
-constexpr int A_VNL = 172032;
-constexpr int A_DVH = 180224;
-constexpr int A_DVL = 188416;
+// per half z: V_new^T, dV_new^T hi / lo (sw64 [64][64]), half 0 at 160 KiB, half 1 at 16 KiB
+__host__ __device__ constexpr int a_vn(int z, int tile) { return (z == 0 ? 163840 : 16384) + 8192 * tile; }
+constexpr int kVNH = 0, kVNL = 1, kDVH = 2, kDVL = 3;
 // phase B
 constexpr int B_G = 0;        // fp32 [64][128]
 constexpr int B_Q = 32768;
@@ -697,8 +735,8 @@ struct GradsTiling {
 
 // Which operands of the gradient kernel are carried as bf16 hi + lo (three products) instead of hi only:
 // bit 0 S in dQg and dW; bit 1 V_new, dV_new; bit 2 A; bit 3 dW, K o e^G, dA, A^T dA, dP, s dAqk;
-// bit 4 the anchored pairwise operands (Cc sections, K and Q row operands); bit 5 S in V_new = U - W S;
-// bit 6 dS_next (in dV_new and dKg).
+// bit 4 the anchored pairwise operands (Cc sections, K and Q row operands); bit 6 dS_next in dKg.
+// (Bit 5 was S in V_new = U - W S, formed here before the walks stored V_new, always split there.)
 // Default 90 (bits 1, 3, 4, 6), chosen on the CPU emulation against the FP64 oracle and the torch
 // backend (NOTES_BWD.md): dropping bits 1, 3 or 4 raised dq/dk by ~40 % or dg ten-fold (past 1e-2),
 // dropping bit 6 tripled dk/dv errors with incoming state gradients; bits 0, 2, 5 cost nothing visible.
@@ -710,8 +748,7 @@ constexpr bool kSV = (KDA_BWD_SPLIT >> 1) & 1;
 constexpr bool kSA = (KDA_BWD_SPLIT >> 2) & 1;
 constexpr bool kSD = (KDA_BWD_SPLIT >> 3) & 1;
 constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
-constexpr bool kSN = (KDA_BWD_SPLIT >> 5) & 1;  // bit 5: S in V_new = U - W S
-constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next (in dV_new and dKg)
+constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
 
 template <int NW>
 __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
@@ -725,7 +762,6 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   const int64_t gs = static_cast<int64_t>(H) * D;
   const int64_t base = (tok * H + h) * D;
   const char* rec = a.prep + (static_cast<int64_t>(c) * H + h) * kPrepBytes;
-  const float* gU = reinterpret_cast<const float*>(rec + kRecU);
   const float* gP = reinterpret_cast<const float*>(rec + kRecP);
   const float* Sg = a.h + (static_cast<int64_t>(c) * H + h) * D * D;
   const float* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * D * D;
@@ -744,10 +780,15 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   // ---- phase A loads ----
   load_bf16<128, NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, C, nrows, tid);
   load_bf16<128, NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
-  load_bf16<128, NT>(B16(A_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
-  load_bf16<128, NT>(B16(A_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
-  load_bf16<64, NT>(B16(A_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, C, tid);
-  load_bf16<64, NT>(B16(A_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, C, tid);
+#pragma unroll
+  for (int z = 0; z < 2; ++z) {
+    const bf16* vn = reinterpret_cast<const bf16*>(rec + kRecVn) + 128 * z;
+    const bf16* dvn = reinterpret_cast<const bf16*>(rec + kRecDvn) + 128 * z;
+    load_bf16<64, NT>(B16(a_vn(z, kVNH)), vn, kHalfRowStride, C, C, tid);
+    load_bf16<64, NT>(B16(a_vn(z, kVNL)), vn + C, kHalfRowStride, C, C, tid);
+    load_bf16<64, NT>(B16(a_vn(z, kDVH)), dvn, kHalfRowStride, C, C, tid);
+    load_bf16<64, NT>(B16(a_vn(z, kDVL)), dvn + C, kHalfRowStride, C, C, tid);
+  }
   load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, C, tid);
   if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, C, tid);
   cp_async_commit();
@@ -775,43 +816,26 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         dgam = fmaf(s4.y, t4.y, dgam);
         dgam = fmaf(s4.z, t4.z, dgam);
         dgam = fmaf(s4.w, t4.w, dgam);
-        st2<64>(B16(A_SH), (kSS || kSN) ? B16(A_SL) : nullptr, d, cc, s4.x, s4.y);
-        st2<64>(B16(A_SH), (kSS || kSN) ? B16(A_SL) : nullptr, d, cc + 2, s4.z, s4.w);
+        st2<64>(B16(A_SH), kSS ? B16(A_SL) : nullptr, d, cc, s4.x, s4.y);
+        st2<64>(B16(A_SH), kSS ? B16(A_SL) : nullptr, d, cc + 2, s4.z, s4.w);
         st2<64>(B16(A_DH), (kSS || kSM) ? B16(A_DL) : nullptr, d, cc, t4.x, t4.y);
         st2<64>(B16(A_DH), (kSS || kSM) ? B16(A_DL) : nullptr, d, cc + 2, t4.z, t4.w);
       }
     }
     cp_async_wait_all();
     __syncthreads();
-    {
-      // V_new (half) = U - W S
-      float acc[1][NT64][4];
-      zero(acc);
-      wgemm<1, NT64, 128, false, false, 64, true, kSN>(acc, B16(A_W), nullptr, m0, 0, B16(A_SH), B16(A_SL), n64, 0, D, lane);
-      epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-        const float2 u = *reinterpret_cast<const float2*>(gU + r * D + voff + cc);
-        st2<64>(B16(A_VNH), B16(A_VNL), r, cc, u.x - x0, u.y - x1);
-      });
-      // dV_new (half) = Aqk^T dO + Kg dS_next
-      zero(acc);
-      wgemm<1, NT64, 64, true, true, 128, true, false>(acc, B16(A_AQH), B16(A_AQL), m0, m0, B16(A_DO), nullptr,
-                                                    voff + n64, m0, C - m0, lane);
-      wgemm<1, NT64, 128, false, false, 64, true, kSM>(acc, B16(A_KG), nullptr, m0, 0, B16(A_DH), B16(A_DL), n64, 0, D, lane);
-      epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(A_DVH), B16(A_DVL), r, cc, x0, x1); });
-    }
-    __syncthreads();
-    // products reduced over the value columns of this half
+    const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
+    // products reduced over the value columns of this half (V_new, dV_new stored transposed)
     wgemm<1, NT128, 128, false, false, 64, false, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, NT128, 64, false, kSV, 64, false, kSS>(dW, B16(A_DVH), B16(A_DVL), m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, NT128, 64, false, kSV, 64, false, kSM>(dKg, B16(A_VNH), B16(A_VNL), m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
-    wgemm<1, NT64, 128, false, false, 64, false, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, B16(A_VNH), B16(A_VNL), n64, 0, 64, lane);
-    wgemm<1, NT64, 64, false, kSV, 128, false, false>(dAU, B16(A_DVH), B16(A_DVL), m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
+    wgemm<1, NT128, 64, true, kSV, 64, false, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, NT128, 64, true, kSV, 64, false, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
+    wgemm<1, NT64, 128, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
+    wgemm<1, NT64, 64, true, kSV, 128, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
     {
       // dVb (half) = A^T dV_new -> dv = beta dVb; dbeta partial sum(dVb o v)
       float acc[1][NT64][4];
       zero(acc);
-      wgemm<1, NT64, 64, true, kSA, 64, true, kSV>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(A_DVH), B16(A_DVL), n64, m0,
-                                                  C - m0, lane);
+      wgemm<1, NT64, 64, true, kSA, 64, false, kSV>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
       float rs[2] = {0.f, 0.f};
       bf16* dv = static_cast<bf16*>(a.dv);
       epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {

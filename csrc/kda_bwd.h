@@ -24,10 +24,17 @@ constexpr int kRecAqkH = 49152;   // bf16 [64][64]   Aqk (scaled, causal) hi
 constexpr int kRecAqkL = 57344;   // bf16 [64][64]   Aqk lo
 constexpr int kRecAH = 65536;     // bf16 [64][64]   A = (I + L)^-1 hi
 constexpr int kRecAL = 73728;     // bf16 [64][64]   A lo
-constexpr int kRecU = 81920;      // fp32 [64][128]  U = A diag(beta) V
+constexpr int kRecU = 81920;      // fp32 [64][128]  U = A diag(beta) V; the forward walk then writes V_new
+                                  // over it (kRecVn: U is read by no later kernel)
 constexpr int kRecP = 114688;     // fp32 [64][64]   P (strictly lower part)
 constexpr int kRecGam = 131072;   // fp32 [128]      gamma = exp(G_last)
-constexpr int kPrepBytes = 131584;
+constexpr int kRecDvn = 131584;   // dV_new, written by the reverse walk (layout of kRecVn)
+constexpr int kPrepBytes = 164352;
+// V_new (over U) and dV_new, each bf16 hi + lo, transposed: value column v of half z = v / 64 holds
+// 64 tokens hi then 64 tokens lo at elements (v % 64) * 256 + 128 z of the slot. A half lies in the bytes
+// of U's columns of that half, so the walk CTA of one half never writes what the other half's CTA reads.
+constexpr int kRecVn = kRecU;
+constexpr int kHalfRowStride = 256;  // bf16 elements between the rows of a V_new / dV_new half
 
 struct Args {
   const void* q;

@@ -117,6 +117,12 @@ __device__ __forceinline__ void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, 
   ldsm4t(b, t + swz<RL>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3)));
 }
 
+// A 32-bit global store that the compiler keeps in program order with the other volatile asm (the mma):
+// issued where it is written, so its value need not stay live until a later point the compiler picks.
+__device__ __forceinline__ void st_global_pinned(void* p, uint32_t x) {
+  asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(x));
+}
+
 // ---- cp.async (16 bytes, zero-filled when !valid) ----
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),

@@ -4,11 +4,11 @@ per CUDA thread, ldmatrix, mma.m16n8k16 and cp.async with their PTX semantics), 
 and synchronization mistakes fail CI instead of a device call. The emulated mma sums in FP64, so results
 are compared with the torch backend or the FP64 oracle within tolerances, not bitwise with a GPU.
 
-Checked: the backward's prep records, h and dh of the walks and the four segment summaries against the
-torch walks; the gradient kernel at 16 warps (the default) and 8 warps against the torch backward; and
-the whole CUDA path (kda_kcp.cuda's wrappers: plans, tables, segmented walks, folds, the workspace arena,
-the lean backward) with the emulated kernels standing for the loaded programs, against the FP64 oracle,
-at W = 1 and at W = 2 over gloo (every layout). About six minutes on two cores."""
+Checked: the backward's prep records, h and dh of the walks, their V_new and dV_new, and the four
+segment summaries against the torch walks; the gradient kernel at 16 warps (the default) and 8 warps
+against the torch backward; and the whole CUDA path (kda_kcp.cuda's wrappers: plans, tables, segmented
+walks, folds, the workspace arena, the lean backward) with the emulated kernels standing for the loaded
+programs, against the FP64 oracle, at W = 1 and at W = 2 over gloo (every layout). About six minutes on two cores."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def _prep(emu, plan, inputs):
 
 
 def test_records_walks_and_summaries(emu):
-    """Records vs the torch prep; h, dh (with incoming states) and the summaries M, E, M^T, F vs the torch
-    walks."""
+    """Records vs the torch prep; h, dh (with incoming states), the walks' V_new and dV_new, and the
+    summaries M, E, M^T, F vs the torch walks."""
     plan, inputs, do, sin, dso = _case([0, 70, 230], 2, 5)
     H, R = 2, plan.num_runs
     chunks, runs, prep = _prep(emu, plan, inputs)
@@ -145,15 +145,19 @@ def test_records_walks_and_summaries(emu):
     dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, dso)
     _, e_ref, m_ref = state_walk(pr, cs.steps, None, summary=True)  # each run's map from a zero start
     _, f_ref, mt_ref = reverse_walk(pr, doc, cs.steps, SCALE, None, summary=True)
+    # the summaries first: the forward walk writes V_new over U (the library's order too)
+    m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
+    assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e)) == 0
+    assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f)) == 0
     h = torch.full((nc, H, 128, 128), float("nan"))
     dh = torch.full_like(h, float("nan"))
     assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h)) == 0
     assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh)) == 0
-    m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
-    assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e)) == 0
-    assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f)) == 0
+    vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
+    vn_ref = U - W @ h_ref
+    dvn_ref = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
     for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("M", m, m_ref), ("E", e, e_ref), ("Mt", mt, mt_ref),
-                       ("F", f, f_ref)):
+                       ("F", f, f_ref), ("V_new", vn, vn_ref), ("dV_new", dvn, dvn_ref)):
         err = _rel(x, r)
         print(f"emulated walk {name}: vs torch {err:.2e}")
         assert torch.isfinite(x).all() and err <= 1e-2, name

@@ -3,12 +3,14 @@
     bwd_grads      dq, dk, dv, dg, dbeta of every run from its incoming state and outgoing state gradient
     bwd_summaries  (M^T, F) of listed runs from a zero state gradient: dS_in = Mt dS_out + F
 
-Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writes one 128.5 KiB record
-(W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma); a forward walk per
-(run, head, 64 value columns) writes h (the state entering each chunk, fp32); a reverse walk writes dh
-(the gradient of the state leaving each chunk, fp32) or the summaries; a gradient kernel per
-(chunk, head) finishes. Nothing is reduced with atomics: both packages run the same kernels and the
-result is bitwise repeatable; ``deterministic`` is accepted for either value.
+Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writes one 160.5 KiB record
+(W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma; room for dV_new); a forward walk
+per (run, head, 64 value columns) writes h (the state entering each chunk, fp32) and V_new over U; a
+reverse walk writes dh (the gradient of the state leaving each chunk, fp32) and dV_new, or the
+summaries; a gradient kernel per (chunk, head) finishes from the record, h and dh. Because the forward
+walk overwrites U, the records of a ``PreparedBackward`` serve one ``grads`` call. Nothing is reduced
+with atomics: both packages run the same kernels and the result is bitwise repeatable; ``deterministic``
+is accepted for either value.
 
 Tensors: q, k, v, do bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
 indexed [run, head, key, value].
@@ -27,8 +29,9 @@ from .common import _D, _c, check_tensors, state_bytes
 __all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
            "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load"]
 
-PREP_BYTES = 131584  # one prep record per (chunk, head); kda_bwd.h kPrepBytes
+PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
 STATE_BYTES = _D * _D * 4
+REC_VN, REC_DVN = 81920, 131584  # byte offsets of the walks' V_new (over U) and dV_new; kda_bwd.h kRecVn, kRecDvn
 
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
 ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "bwd_rev_summary", "merge_fold",
@@ -292,6 +295,16 @@ def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = No
     return n
 
 
+def walk_tiles(records: torch.Tensor, offset: int) -> torch.Tensor:
+    """V_new (``offset`` REC_VN) or dV_new (REC_DVN) as fp32 [N, H, 64 tokens, 128] from prep records
+    [N, H, PREP_BYTES] uint8 after the walks (for tests and diagnostics). Value column v of half z = v // 64:
+    64 tokens of bf16 hi, then 64 of lo, at elements 128 z of bf16 row v % 64 (256 elements per row)."""
+    n, H = records.shape[:2]
+    x = records[:, :, offset : offset + 32768].contiguous().view(torch.bfloat16).float()
+    x = x.reshape(n, H, 64, 2, 2, 64).sum(4)  # hi + lo: [n, H, v % 64, z, token]
+    return x.permute(0, 1, 3, 2, 4).reshape(n, H, _D, 64).transpose(-1, -2)
+
+
 def saved_bytes(num_chunks: int, num_heads: int) -> int:
     """Bytes the CUDA backward needs saved from the forward: none beyond the inputs (it recomputes)."""
     return 0
@@ -326,7 +339,7 @@ class PreparedBackward:
         self.active = self.q.shape[0] > 0 and plan.num_runs > 0
         self.mod = load(self.dev) if self.active else None
         self.e0 = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
-        self.prep = None
+        self.prep, self.used = None, False
         if self.active and passes is None:
             chunks, _ = _tables(plan, self.dev)
             self.prep = self.arena.empty((chunks.shape[0] * self.H * PREP_BYTES,), torch.uint8)
@@ -351,6 +364,9 @@ class PreparedBackward:
     def grads(self, state_in=None, dstate_out=None):
         """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run, from each run's incoming state and
         the gradient of its outgoing state (None: zero)."""
+        if self.used:  # the forward walk wrote V_new over the records' U
+            raise RuntimeError("PreparedBackward.grads runs once per prepared backward")
+        self.used = True
         q, k, v, g, beta, do = self.q, self.k, self.v, self.g, self.beta, self.do
         grads = tuple(torch.empty_like(x) for x in (q, k, v, g, beta))
         if not self.active:

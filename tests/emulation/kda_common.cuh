@@ -82,6 +82,7 @@ template <int RL> inline void ldb(uint32_t (&b)[4], const __nv_bfloat16* t, int 
 template <int RL> inline void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
   ldsm4t(b, t + swz<RL>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3)));
 }
+inline void st_global_pinned(void* p, uint32_t x) { std::memcpy(p, &x, 4); }
 inline void cp_async16(void* dst, const void* src, bool valid) {
   if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
 }

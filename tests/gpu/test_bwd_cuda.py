@@ -69,9 +69,6 @@ def test_stages_match_torch_stages():
     prep16 = torch.full_like(prep, 255)
     mod.bwd_prep(*inputs, chunks, prep16, SCALE, 16)
     assert torch.equal(prep16, prep), "the 16-warp prep's records differ from the 8-warp prep's"
-    mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h)
-    mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh)
-    torch.cuda.synchronize()
     rec = prep.view(nc, H, cb.PREP_BYTES)
 
     def field(off, nbytes, dtype, shape):
@@ -87,6 +84,11 @@ def test_stages_match_torch_stages():
         "P": field(114688, 16384, torch.float32, (64, 64)),
         "gamma": field(131072, 512, torch.float32, (128,)),
     }
+    # the walks write V_new over U and dV_new after gamma (kda_bwd.h kRecVn, kRecDvn)
+    mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h)
+    mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh)
+    torch.cuda.synchronize()
+    mine["Vn"], mine["dVn"] = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
     cs = _chunk_set(plan, range(plan.num_runs), DEV)
     qc, kc, vc, gc = (cs.gather(x, torch.float32) for x in inputs[:4])
     bc = cs.gather(inputs[4].unsqueeze(-1), torch.float32).squeeze(-1)
@@ -105,7 +107,9 @@ def test_stages_match_torch_stages():
     doc = cs.gather(do, torch.float32)
     h_ref, _, _ = state_walk(pr, cs.steps, None)
     dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, None)
-    for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref)):
+    Vn = U - W @ h_ref
+    dVn = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
+    for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("V_new", mine["Vn"], Vn), ("dV_new", mine["dVn"], dVn)):
         e = rel(x, r)
         print(f"stage walk {name}: rel vs torch-fp32 {e:.3e}")
         if not (e <= 1e-2):
