@@ -96,25 +96,36 @@ __device__ __forceinline__ int swz(int r, int c) {
   if constexpr (RL == 128) return sw128(r, c);
   else return sw64(r, c);
 }
+// Address of the 16-byte row chunk a lane hands to ldmatrix.x4 in a swizzled tile of RL-element rows: tile
+// row r0 + rl, column chunk (c0 / 8 + ch) ^ (rl & 7), for r0 a multiple of 8 and c0 a multiple of 16
+// (every caller's block corner). Then the chunk is (c0 / 8) ^ ch ^ (rl & 7) and, since the swizzle
+// permutes chunks within a row, the byte offset is (lane part) ^ (2 c0) + (row part): the lane part is
+// computed once per kernel and each fragment load costs one XOR, where swz<RL> on the full indices cost
+// a chain of integer ops per load (a third of the walks' issued instructions, ncu, NOTES.md session 5).
+template <int RL>
+__device__ __forceinline__ const __nv_bfloat16* frag_ptr(const __nv_bfloat16* t, int r0, int c0, int rl, int ch) {
+  const int lane_part = rl * (2 * RL) + ((ch ^ (rl & 7)) << 4);
+  return reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(t) + ((lane_part ^ (2 * c0)) + r0 * (2 * RL)));
+}
 // A (16x16, rows m0.., cols k0..) from storage [m][k].
 template <int RL>
 __device__ __forceinline__ void lda(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
-  ldsm4(a, t + swz<RL>(m0 + (lane & 15), k0 + ((lane >> 4) << 3)));
+  ldsm4(a, frag_ptr<RL>(t, m0, k0, lane & 15, lane >> 4));
 }
 // A (16x16) from storage [k][m] (the tile holds A transposed).
 template <int RL>
 __device__ __forceinline__ void lda_t(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
-  ldsm4t(a, t + swz<RL>(k0 + (lane & 7) + ((lane >> 4) << 3), m0 + (((lane >> 3) & 1) << 3)));
+  ldsm4t(a, frag_ptr<RL>(t, k0, m0, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1));
 }
 // B for two n-tiles (k16 x n16): b[0],b[1] = tile n0..n0+7, b[2],b[3] = tile n0+8.. ; storage [n][k].
 template <int RL>
 __device__ __forceinline__ void ldb(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
-  ldsm4(b, t + swz<RL>(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + (((lane >> 3) & 1) << 3)));
+  ldsm4(b, frag_ptr<RL>(t, n0, k0, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1));
 }
 // Same from storage [k][n].
 template <int RL>
 __device__ __forceinline__ void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
-  ldsm4t(b, t + swz<RL>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3)));
+  ldsm4t(b, frag_ptr<RL>(t, k0, n0, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4));
 }
 
 // A 32-bit global store that the compiler keeps in program order with the other volatile asm (the mma):

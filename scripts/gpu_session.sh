@@ -21,7 +21,9 @@
 #   cache      pack Triton's cache (binaries, metadata, autotune results) into $OUT/triton-cache-part-*; carry them back as .build/triton-cache/part-*
 #
 # Setup (always): install the carried wheels (.whl), copy the prebuilt .so files from .build/prebuilt/<arch>
-# (built without a GPU: scripts/build_prebuilt.py), unpack .build/triton-cache.tgz and .build/triton-cache/part-* if carried.
+# (built without a GPU: scripts/build_prebuilt.py; or from $PREBUILT/<arch>: carry several build folders and
+# run the stages once per folder to compare builds), unpack .build/triton-cache.tgz and
+# .build/triton-cache/part-* if carried.
 # Logs are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 # Device command, from the repository root, carrying .whl, .build/prebuilt, .build/triton-cache:
 #   bash scripts/gpu_session.sh warm tests nccl bench1 cache
@@ -35,8 +37,9 @@ HEADS=${HEADS:-4 16 64}; HEADS2=${HEADS2:-$HEADS}; OPS=${OPS:-fwd bwd ckpt}
 left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
 arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}a')")
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
-if [ -d ".build/prebuilt/$arch" ]; then
-  mkdir -p "kda_kcp/prebuilt/$arch" && cp .build/prebuilt/"$arch"/*.so "kda_kcp/prebuilt/$arch/"
+PREBUILT=${PREBUILT:-.build/prebuilt}  # another folder of the same layout: an A/B between builds
+if [ -d "$PREBUILT/$arch" ]; then
+  mkdir -p "kda_kcp/prebuilt/$arch" && cp "$PREBUILT/$arch"/*.so "kda_kcp/prebuilt/$arch/"
 fi
 mkdir -p ~/.triton
 if [ -f .build/triton-cache.tgz ]; then tar xzf .build/triton-cache.tgz -C ~/.triton; fi

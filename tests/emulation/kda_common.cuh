@@ -6,6 +6,9 @@
 #include <cuda_runtime.h>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 namespace kda {
 constexpr float kLog2e = 1.4426950408889634f;
 inline float fexp(float x) { return std::exp2(x * kLog2e); }
@@ -70,17 +73,28 @@ inline void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
   lo = pack_bf16(x - __bfloat162float(hx), y - __bfloat162float(hy));
 }
 template <int RL> inline int swz(int r, int c) { if constexpr (RL == 128) return sw128(r, c); else return sw64(r, c); }
+// csrc's frag_ptr (the lane part XOR 2 c0, plus the row part), checked on every load against the plain
+// swizzle of the full indices: a caller whose block corner breaks its preconditions aborts the emulation.
+template <int RL> inline const __nv_bfloat16* frag_ptr(const __nv_bfloat16* t, int r0, int c0, int rl, int ch) {
+  const int lane_part = rl * (2 * RL) + ((ch ^ (rl & 7)) << 4);
+  const char* p = reinterpret_cast<const char*>(t) + ((lane_part ^ (2 * c0)) + r0 * (2 * RL));
+  if (p != reinterpret_cast<const char*>(t + swz<RL>(r0 + rl, c0 + 8 * ch))) {
+    std::fprintf(stderr, "frag_ptr<%d>: corner (%d, %d) breaks its preconditions\n", RL, r0, c0);
+    std::abort();
+  }
+  return reinterpret_cast<const __nv_bfloat16*>(p);
+}
 template <int RL> inline void lda(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
-  ldsm4(a, t + swz<RL>(m0 + (lane & 15), k0 + ((lane >> 4) << 3)));
+  ldsm4(a, frag_ptr<RL>(t, m0, k0, lane & 15, lane >> 4));
 }
 template <int RL> inline void lda_t(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
-  ldsm4t(a, t + swz<RL>(k0 + (lane & 7) + ((lane >> 4) << 3), m0 + (((lane >> 3) & 1) << 3)));
+  ldsm4t(a, frag_ptr<RL>(t, k0, m0, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1));
 }
 template <int RL> inline void ldb(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
-  ldsm4(b, t + swz<RL>(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + (((lane >> 3) & 1) << 3)));
+  ldsm4(b, frag_ptr<RL>(t, n0, k0, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1));
 }
 template <int RL> inline void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
-  ldsm4t(b, t + swz<RL>(k0 + (lane & 7) + (((lane >> 3) & 1) << 3), n0 + ((lane >> 4) << 3)));
+  ldsm4t(b, frag_ptr<RL>(t, k0, n0, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4));
 }
 inline void st_global_pinned(void* p, uint32_t x) { std::memcpy(p, &x, 4); }
 inline void cp_async16(void* dst, const void* src, bool valid) {

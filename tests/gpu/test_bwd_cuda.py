@@ -88,7 +88,7 @@ def test_stages_match_torch_stages():
     mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h)
     mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh)
     torch.cuda.synchronize()
-    mine["Vn"], mine["dVn"] = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
+    vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
     cs = _chunk_set(plan, range(plan.num_runs), DEV)
     qc, kc, vc, gc = (cs.gather(x, torch.float32) for x in inputs[:4])
     bc = cs.gather(inputs[4].unsqueeze(-1), torch.float32).squeeze(-1)
@@ -109,7 +109,7 @@ def test_stages_match_torch_stages():
     dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, None)
     Vn = U - W @ h_ref
     dVn = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
-    for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("V_new", mine["Vn"], Vn), ("dV_new", mine["dVn"], dVn)):
+    for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("V_new", vn, Vn), ("dV_new", dvn, dVn)):
         e = rel(x, r)
         print(f"stage walk {name}: rel vs torch-fp32 {e:.3e}")
         if not (e <= 1e-2):
