@@ -154,6 +154,19 @@ __device__ __forceinline__ void load_f32_swz(float* dst, const float* src, int64
   }
 }
 
+// hi (hl = 0) or lo (hl = 1) of V_new^T or dV_new^T, value columns of half z, from a record slot in the
+// walks' fragment order (kda_bwd.h) -> swizzled tile [value column 64][token 64]: a 16-byte piece of
+// unit row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column.
+template <int NT>
+__device__ __forceinline__ void load_walk_tile(bf16* dst, const char* slot, int z, int hl, int tid) {
+  for (int p = tid; p < C * 8; p += NT) {
+    const int R = p >> 3, g4 = p & 7;
+    const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
+    const int v = 16 * w + g4 + 8 * (i & 1), t0 = 16 * ks + 8 * (i >> 1);
+    cp_async16(dst + sw64(v, t0), slot + R * kWalkRowBytes + 256 * z + 128 * hl + 16 * g4, true);
+  }
+}
+
 // Cc section of anchor block I starts at this row (section I holds rows 0 .. 16 I + 15).
 __device__ __forceinline__ int cc_sec(int I) { return I * (I + 1) * 8; }
 
@@ -428,29 +441,22 @@ constexpr int RW_GAM = 73728;
 constexpr int RW_STAGE = RW_GAM + 512;
 static_assert(WCOLS == 64, "the dO tile is a 64-column swizzled tile");
 
-// One warp's V_new^T or dV_new^T (16 value columns from vloc, the 64 tokens of a chunk) for token step
-// ks, as the split A fragments hi / lo, into the record slot of its half (kRecVn / kRecDvn layout, `half`
-// = the slot + 128 z): the gradient kernel loads them instead of recomputing both products.
-// PINNED: st_global_pinned. The reverse walk needs it (plain stores, sunk by the compiler, keep hi / lo
-// live: 204 instead of 76 spilled bytes, nvcc 13.0); the forward walk does not (plain: no spills;
-// pinned: 44 bytes).
-template <bool PINNED>
-__device__ __forceinline__ void store_half_frag(bf16* half, const uint32_t (&hi)[4], const uint32_t (&lo)[4], int vloc,
-                                                int ks, int g4, int l4) {
+// One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk) for token step ks, as the
+// split A fragments hi / lo, into its half of a record slot (kRecVn / kRecDvn layout; `half` = the slot +
+// 256 z bytes): each store writes the warp's 32 words contiguously. The gradient kernel loads them
+// (load_walk_tile) instead of recomputing both products. Pinned stores (st_global_pinned): plain ones,
+// sunk by the compiler, keep hi / lo live, and the reverse walk then spills 120 bytes instead of 4.
+__device__ __forceinline__ void store_half_frag(char* half, const uint32_t (&hi)[4], const uint32_t (&lo)[4], int warp,
+                                                int ks, int lane) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int v = vloc + g4 + 8 * (i & 1), t = 16 * ks + 2 * l4 + 8 * (i >> 1);
-    if constexpr (PINNED) {
-      st_global_pinned(half + v * kHalfRowStride + t, hi[i]);
-      st_global_pinned(half + v * kHalfRowStride + C + t, lo[i]);
-    } else {
-      *reinterpret_cast<uint32_t*>(half + v * kHalfRowStride + t) = hi[i];
-      *reinterpret_cast<uint32_t*>(half + v * kHalfRowStride + C + t) = lo[i];
-    }
+    char* row = half + (16 * warp + 4 * ks + i) * kWalkRowBytes + 4 * lane;
+    st_global_pinned(row, hi[i]);
+    st_global_pinned(row + 128, lo[i]);
   }
 }
-__device__ __forceinline__ bf16* half_slot(const Args& a, int c, int h, int slot, int col0) {
-  return reinterpret_cast<bf16*>(a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes + slot) + 2 * col0;
+__device__ __forceinline__ char* half_slot(const Args& a, int c, int h, int slot, int col0) {
+  return a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes + slot + 4 * col0;  // col0 = 64 z
 }
 
 // ST = ST Diag(gamma) (gamma fp32 [128] in shared memory): S^T's columns are keys.
@@ -532,9 +538,9 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
     if constexpr (!SUMMARY) {  // V_new over this chunk's U (read above, from the stage)
-      bf16* vn = half_slot(a, first + j, h, kRecVn, col0);
+      char* vn = half_slot(a, first + j, h, kRecVn, col0);
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) store_half_frag<false>(vn, vh[ks], vl[ks], vloc, ks, g4, l4);
+      for (int ks = 0; ks < 4; ++ks) store_half_frag(vn, vh[ks], vl[ks], warp, ks, lane);
     }
     // S^T = S^T Diag(gamma) + V_new^T Kg
     decay_state(ST, sGam, l4);
@@ -635,12 +641,12 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     }
     state_tile_mul<false>(DV, ST, sKg, lane);
     if constexpr (!SUMMARY) {  // dV_new for the gradient kernel (split again below: fewer live registers)
-      bf16* dvn = half_slot(a, first + j, h, kRecDvn, col0);
+      char* dvn = half_slot(a, first + j, h, kRecDvn, col0);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         uint32_t vh[4], vl[4];
         split_afrag(DV[2 * ks], DV[2 * ks + 1], vh, vl);
-        store_half_frag<true>(dvn, vh, vl, vloc, ks, g4, l4);
+        store_half_frag(dvn, vh, vl, warp, ks, lane);
       }
     }
     // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
@@ -782,12 +788,10 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   load_bf16<128, NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
 #pragma unroll
   for (int z = 0; z < 2; ++z) {
-    const bf16* vn = reinterpret_cast<const bf16*>(rec + kRecVn) + 128 * z;
-    const bf16* dvn = reinterpret_cast<const bf16*>(rec + kRecDvn) + 128 * z;
-    load_bf16<64, NT>(B16(a_vn(z, kVNH)), vn, kHalfRowStride, C, C, tid);
-    load_bf16<64, NT>(B16(a_vn(z, kVNL)), vn + C, kHalfRowStride, C, C, tid);
-    load_bf16<64, NT>(B16(a_vn(z, kDVH)), dvn, kHalfRowStride, C, C, tid);
-    load_bf16<64, NT>(B16(a_vn(z, kDVL)), dvn + C, kHalfRowStride, C, C, tid);
+    load_walk_tile<NT>(B16(a_vn(z, kVNH)), rec + kRecVn, z, 0, tid);
+    load_walk_tile<NT>(B16(a_vn(z, kVNL)), rec + kRecVn, z, 1, tid);
+    load_walk_tile<NT>(B16(a_vn(z, kDVH)), rec + kRecDvn, z, 0, tid);
+    load_walk_tile<NT>(B16(a_vn(z, kDVL)), rec + kRecDvn, z, 1, tid);
   }
   load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, C, tid);
   if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, C, tid);

@@ -30,11 +30,13 @@ constexpr int kRecP = 114688;     // fp32 [64][64]   P (strictly lower part)
 constexpr int kRecGam = 131072;   // fp32 [128]      gamma = exp(G_last)
 constexpr int kRecDvn = 131584;   // dV_new, written by the reverse walk (layout of kRecVn)
 constexpr int kPrepBytes = 164352;
-// V_new (over U) and dV_new, each bf16 hi + lo, transposed: value column v of half z = v / 64 holds
-// 64 tokens hi then 64 tokens lo at elements (v % 64) * 256 + 128 z of the slot. A half lies in the bytes
-// of U's columns of that half, so the walk CTA of one half never writes what the other half's CTA reads.
+// V_new (over U) and dV_new, each bf16 hi + lo, in the walks' fragment order so that every store of a walk
+// warp writes 128 contiguous bytes: for the walk CTA of half z (value columns 64 z ..), warp w (16 columns),
+// token step ks and A-fragment register i, "row" R = 16 w + 4 ks + i of 512 bytes holds at byte 256 z the
+// 32 lanes' hi words, then their lo words. A half lies in the bytes of U's columns of that half (U rows are
+// 512 bytes too), so the walk CTA of one half never writes what the other half's CTA reads.
 constexpr int kRecVn = kRecU;
-constexpr int kHalfRowStride = 256;  // bf16 elements between the rows of a V_new / dV_new half
+constexpr int kWalkRowBytes = 512;
 
 struct Args {
   const void* q;

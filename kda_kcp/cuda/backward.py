@@ -297,12 +297,14 @@ def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = No
 
 def walk_tiles(records: torch.Tensor, offset: int) -> torch.Tensor:
     """V_new (``offset`` REC_VN) or dV_new (REC_DVN) as fp32 [N, H, 64 tokens, 128] from prep records
-    [N, H, PREP_BYTES] uint8 after the walks (for tests and diagnostics). Value column v of half z = v // 64:
-    64 tokens of bf16 hi, then 64 of lo, at elements 128 z of bf16 row v % 64 (256 elements per row)."""
+    [N, H, PREP_BYTES] uint8 after the walks (for tests and diagnostics). The walks' fragment order
+    (kda_bwd.h): 64 rows of 512 bytes, row 16 w + 4 ks + 2 ih + il, at byte 256 z the hi words of the 32
+    lanes (4 g + l), then their lo words; a word holds tokens 16 ks + 8 ih + 2 l (+1) of value column
+    64 z + 16 w + 8 il + g."""
     n, H = records.shape[:2]
     x = records[:, :, offset : offset + 32768].contiguous().view(torch.bfloat16).float()
-    x = x.reshape(n, H, 64, 2, 2, 64).sum(4)  # hi + lo: [n, H, v % 64, z, token]
-    return x.permute(0, 1, 3, 2, 4).reshape(n, H, _D, 64).transpose(-1, -2)
+    x = x.reshape(n, H, 4, 4, 2, 2, 2, 2, 8, 4, 2).sum(7)  # [n, H, w, ks, ih, il, z, g, l, e], hi + lo
+    return x.permute(0, 1, 3, 4, 8, 9, 6, 2, 5, 7).reshape(n, H, 64, _D)
 
 
 def saved_bytes(num_chunks: int, num_heads: int) -> int:
