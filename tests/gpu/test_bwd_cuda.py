@@ -231,9 +231,8 @@ def test_sixteen_warp_gradient_kernel(monkeypatch):
     """The 16-warp gradient kernel (the default: half the accumulator registers per thread, twice the warps
     per SM) against the 8-warp one (KDA_KCP_BWD_GRADS_WARPS=8): dq, dk, dv bitwise equal (each element is
     accumulated in the same order); dg and dbeta within FP32 reassociation (their row and column partial
-    sums are grouped differently: dg, an FP32 output, within 1e-5; dbeta, a bf16 output, at most one
-    rounding step from the 8-warp value element by element, since an FP32 regrouping can move a value
-    across a bf16 rounding boundary but not further); bitwise repeatable; within the FP64 tolerances. The
+    sums are grouped differently: dg, an FP32 output, within 1e-5; dbeta, a bf16 output, element by element
+    within one bf16 step plus the FP32 regrouping noise of cancelling terms); bitwise repeatable; within the FP64 tolerances. The
     8-warp prep (KDA_KCP_BWD_PREP_WARPS=8) leaves every gradient bitwise unchanged."""
     gen = torch.Generator().manual_seed(SEED + 600)
     cu = random_docs(9000, gen)
@@ -256,9 +255,16 @@ def test_sixteen_warp_gradient_kernel(monkeypatch):
         if name in ("dq", "dk", "dv"):
             assert torch.equal(x, r), name
         elif name == "dbeta":
+            # FP32 regrouping moves a sum by ~2^-24 of its terms' magnitudes, which is one bf16 step of the
+            # result unless the terms cancel: there it is absolute, bounded here by 1e-5 of dbeta's RMS
+            # (terms up to ~100x the RMS). Beyond that an element differs by at most one bf16 step.
             assert x.dtype == torch.bfloat16
-            steps = (x.view(torch.int16).int() - r.view(torch.int16).int()).abs()  # same sign: ulps apart
-            tiny = 1e-6 * r.float().pow(2).mean().sqrt()  # a regrouped sum this close to 0 may flip sign
-            assert bool(((steps <= 1) | (torch.maximum(x.abs(), r.abs()).float() <= tiny)).all()), name
+            xf, rf = x.float(), r.float()
+            step = torch.maximum(xf.abs(), rf.abs()) * 2.0**-7  # >= one bf16 step at that magnitude
+            noise = 1e-5 * rf.pow(2).mean().sqrt()
+            excess = (xf - rf).abs() - step - noise
+            i = int(excess.argmax())
+            print(f"dbeta worst: 16 warps {xf.flatten()[i]:.6e}, 8 warps {rf.flatten()[i]:.6e}, RMS {noise / 1e-5:.3e}")
+            assert bool((excess <= 0).all()), name
         else:
             assert e8 <= 1e-5, name
