@@ -167,18 +167,6 @@ __device__ __forceinline__ void load_walk_tile(bf16* dst, const char* slot, int 
   }
 }
 
-// hi (hl = 0) or lo (hl = 1) of the value half z of a split state (h or dh, kda_bwd.h) -> swizzled S^T tile
-// [value column 64][key 128]: a 16-byte piece holds 8 consecutive keys of one value column.
-template <int NT>
-__device__ __forceinline__ void load_state_tile(bf16* dst, const char* state, int z, int hl, int tid) {
-  for (int p = tid; p < C * 16; p += NT) {
-    const int u = p >> 3, g4 = p & 7;
-    const int w = u >> 5, nt = (u >> 1) & 15, eh = u & 1;
-    cp_async16(dst + sw128(16 * w + g4 + 8 * eh, 8 * nt),
-               state + kSplitHalfBytes * z + (2 * (16 * w + nt) + eh) * 256 + 128 * hl + 16 * g4, true);
-  }
-}
-
 // Cc section of anchor block I starts at this row (section I holds rows 0 .. 16 I + 15).
 __device__ __forceinline__ int cc_sec(int I) { return I * (I + 1) * 8; }
 
@@ -467,25 +455,6 @@ __device__ __forceinline__ void store_half_frag(char* half, const uint32_t (&hi)
     st_global_pinned(row + 128, lo[i]);
   }
 }
-// h or dh of one chunk-head, value half z (`half` = the chunk-head's kSplitStateBytes + kSplitHalfBytes z):
-// the warp's 16 value columns x 128 keys as bf16 hi + lo pairs of adjacent keys, each store 128 contiguous
-// bytes (kda_bwd.h). The gradient kernel reads them with load_state_tile.
-__device__ __forceinline__ void store_state_split(char* half, const float (&ST)[16][4], int warp, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-    for (int eh = 0; eh < 2; ++eh) {
-      uint32_t hi, lo;
-      split2(ST[nt][2 * eh], ST[nt][2 * eh + 1], hi, lo);
-      char* p = half + (2 * (16 * warp + nt) + eh) * 256 + 4 * lane;
-      st_global_pinned(p, hi);
-      st_global_pinned(p + 128, lo);
-    }
-}
-__device__ __forceinline__ char* split_state(char* base, int c, int h, int H, int col0) {
-  return base + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes + kSplitHalfBytes * (col0 / 64);
-}
-
 __device__ __forceinline__ char* half_slot(const Args& a, int c, int h, int slot, int col0) {
   return a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes + slot + 4 * col0;  // col0 = 64 z
 }
@@ -555,7 +524,8 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
     const float* sGam = reinterpret_cast<const float*>(st + FW_GAM);
     // h of this chunk: the state entering it
     if constexpr (!SUMMARY) {
-      store_state_split(split_state(a.h, first + j, h, H, col0), ST, warp, lane);
+      float* dst = a.h + (static_cast<int64_t>(first + j) * H + h) * D * D;
+      state_tile_store(dst, ST, vcol, g4, l4);
     }
     // V_new^T = U^T - S^T W^T
     float VN[8][4];
@@ -646,7 +616,8 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     const bf16* sDO = reinterpret_cast<const bf16*>(st + RW_DO);
     const float* sGam = reinterpret_cast<const float*>(st + RW_GAM);
     if constexpr (!SUMMARY) {
-      store_state_split(split_state(a.dh, first + j, h, H, col0), ST, warp, lane);
+      float* dst = a.dh + (static_cast<int64_t>(first + j) * H + h) * D * D;
+      state_tile_store(dst, ST, vcol, g4, l4);
     }
     // dV_new^T = dO^T Aqk + dS^T Kg^T
     float DV[8][4];
@@ -717,11 +688,10 @@ constexpr int A_DO = 0;
 constexpr int A_V = 65536;
 constexpr int A_AH = 81920;   // kept through phase B
 constexpr int A_AL = 90112;
-constexpr int A_SH = 98304;   // S^T, dS^T hi / lo of the value half: bf16 sw128 [64][128]
+constexpr int A_SH = 98304;   // bf16 sw64 [128][64]
 constexpr int A_SL = 114688;
 constexpr int A_DH = 131072;
 constexpr int A_DL = 147456;
-constexpr int A_DGP = 196608; // fp32 [NT / 64][128] dgamma partials (after the halves)
 // per half z: V_new^T, dV_new^T hi / lo (sw64 [64][64]), half 0 at 160 KiB, half 1 at 16 KiB
 __host__ __device__ constexpr int a_vn(int z, int tile) { return (z == 0 ? 163840 : 16384) + 8192 * tile; }
 constexpr int kVNH = 0, kVNL = 1, kDVH = 2, kDVL = 3;
@@ -763,6 +733,8 @@ struct GradsTiling {
   static constexpr int CG = NW / 4;       // column groups
   static constexpr int NT128 = 16 / CG;   // 8-column mma tiles per warp of a 128-column output
   static constexpr int NT64 = 8 / CG;     // ... of a 64-column output
+  static constexpr int TPR = NTH / 128;   // threads per key row when loading S and dS
+  static constexpr int TPR_SHIFT = TPR == 2 ? 1 : 2;
   static constexpr int SMEM = S_DB + 4 * CG * C * 4;
   static_assert(SMEM <= 232448, "grads smem");
 };
@@ -797,8 +769,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   const int64_t base = (tok * H + h) * D;
   const char* rec = a.prep + (static_cast<int64_t>(c) * H + h) * kPrepBytes;
   const float* gP = reinterpret_cast<const float*>(rec + kRecP);
-  const char* Sg = a.h + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes;
-  const char* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes;
+  const float* Sg = a.h + (static_cast<int64_t>(c) * H + h) * D * D;
+  const float* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * D * D;
 
   auto B16 = [&](int off) { return reinterpret_cast<bf16*>(smem + off); };
   float* sBeta = reinterpret_cast<float*>(smem + S_BETA);
@@ -823,14 +795,6 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   }
   load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, C, tid);
   if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, C, tid);
-  // S^T and dS^T of value half z (S lo only feeds dgamma unless bit 0 is set)
-  auto load_states = [&](int z) {
-    load_state_tile<NT>(B16(A_SH), Sg, z, 0, tid);
-    load_state_tile<NT>(B16(A_SL), Sg, z, 1, tid);
-    load_state_tile<NT>(B16(A_DH), dSg, z, 0, tid);
-    load_state_tile<NT>(B16(A_DL), dSg, z, 1, tid);
-  };
-  load_states(0);
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
@@ -840,32 +804,35 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   zero(dKg);
   zero(dAqk);
   zero(dAU);
-  // dgamma = sum over value columns of S o dS per key: thread pair of keys 2 kp, 2 kp + 1 over value
-  // columns [VPER vg, VPER vg + VPER) of each half
-  constexpr int VG = NT / 64, VPER = 64 / VG;
-  const int kp = tid & 63, vg = tid >> 6;
-  float dgam0 = 0.f, dgam1 = 0.f;
+  float dgam = 0.f;  // thread's key row d = tid >> 1, half of the value columns
 
   for (int vh = 0; vh < 2; ++vh) {
     const int voff = 64 * vh;
-    if (vh == 1) {  // the first half's products are done with the tiles (barrier at the end of the loop)
-      load_states(1);
-      cp_async_commit();
+    // S, dS_next halves -> bf16 hi / lo [128][64]; dgamma partial
+    {
+      const int d = tid >> T::TPR_SHIFT, cb = (tid & (T::TPR - 1)) * (64 / T::TPR);  // T::TPR threads per row
+#pragma unroll
+      for (int i = 0; i < 16 / T::TPR; ++i) {
+        const int cc = cb + 4 * i;
+        const float4 s4 = *reinterpret_cast<const float4*>(Sg + d * D + voff + cc);
+        const float4 t4 = *reinterpret_cast<const float4*>(dSg + d * D + voff + cc);
+        dgam = fmaf(s4.x, t4.x, dgam);
+        dgam = fmaf(s4.y, t4.y, dgam);
+        dgam = fmaf(s4.z, t4.z, dgam);
+        dgam = fmaf(s4.w, t4.w, dgam);
+        st2<64>(B16(A_SH), kSS ? B16(A_SL) : nullptr, d, cc, s4.x, s4.y);
+        st2<64>(B16(A_SH), kSS ? B16(A_SL) : nullptr, d, cc + 2, s4.z, s4.w);
+        st2<64>(B16(A_DH), (kSS || kSM) ? B16(A_DL) : nullptr, d, cc, t4.x, t4.y);
+        st2<64>(B16(A_DH), (kSS || kSM) ? B16(A_DL) : nullptr, d, cc + 2, t4.z, t4.w);
+      }
     }
     cp_async_wait_all();
     __syncthreads();
-#pragma unroll 1  // unrolled, the 16-warp kernel spills 276 bytes instead of 120
-    for (int v = VPER * vg; v < VPER * vg + VPER; ++v) {
-      const float2 sh = ld2<128>(B16(A_SH), v, 2 * kp), sl = ld2<128>(B16(A_SL), v, 2 * kp);
-      const float2 th = ld2<128>(B16(A_DH), v, 2 * kp), tl = ld2<128>(B16(A_DL), v, 2 * kp);
-      dgam0 = fmaf(sh.x + sl.x, th.x + tl.x, dgam0);
-      dgam1 = fmaf(sh.y + sl.y, th.y + tl.y, dgam1);
-    }
     const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
     // products reduced over the value columns of this half (V_new, dV_new stored transposed)
-    wgemm<1, NT128, 128, false, false, 128, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, NT128, 64, true, kSV, 128, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, NT128, 64, true, kSV, 128, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
+    wgemm<1, NT128, 128, false, false, 64, false, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, NT128, 64, true, kSV, 64, false, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, NT128, 64, true, kSV, 64, false, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
     wgemm<1, NT64, 128, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
     wgemm<1, NT64, 64, true, kSV, 128, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
     {
@@ -887,15 +854,14 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     }
     __syncthreads();
   }
-  {  // dgamma partials -> sDgam, summed over the VG value groups in a fixed order
-    float* part = reinterpret_cast<float*>(smem + A_DGP);
-    *reinterpret_cast<float2*>(part + vg * D + 2 * kp) = make_float2(dgam0, dgam1);
-    __syncthreads();
-    if (tid < D) {
-      float sum = part[tid];
-      for (int g = 1; g < VG; ++g) sum += part[g * D + tid];
-      sDgam[tid] = sum;
-    }
+  if constexpr (T::TPR == 2) {
+    const float o = __shfl_xor_sync(0xffffffffu, dgam, 1);
+    if ((tid & 1) == 0) sDgam[tid >> 1] = dgam + o;
+  } else {
+    float s = dgam;
+#pragma unroll
+    for (int off = 1; off < T::TPR; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if ((tid & (T::TPR - 1)) == 0) sDgam[tid >> T::TPR_SHIFT] = s;
   }
 
   // ---- phase B1: G, q, k; consume dQg, dKg; stage dW, s dAqk, K o exp(G) ----
