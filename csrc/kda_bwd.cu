@@ -455,6 +455,25 @@ __device__ __forceinline__ void store_half_frag(char* half, const uint32_t (&hi)
     st_global_pinned(row + 128, lo[i]);
   }
 }
+// h or dh of one chunk-head, value half z (`half` = the chunk-head's kSplitStateBytes + kSplitHalfBytes z):
+// the warp's 16 value columns x 128 keys as bf16 hi + lo pairs of adjacent keys, each store 128 contiguous
+// bytes (kda_bwd.h). The gradient kernel reads them with stage_states.
+__device__ __forceinline__ void store_state_split(char* half, const float (&ST)[16][4], int warp, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int eh = 0; eh < 2; ++eh) {
+      uint32_t hi, lo;
+      split2(ST[nt][2 * eh], ST[nt][2 * eh + 1], hi, lo);
+      char* p = half + (2 * (16 * warp + nt) + eh) * 256 + 4 * lane;
+      st_global_pinned(p, hi);
+      st_global_pinned(p + 128, lo);
+    }
+}
+__device__ __forceinline__ char* split_state(char* base, int c, int h, int H, int col0) {
+  return base + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes + kSplitHalfBytes * (col0 / 64);
+}
+
 __device__ __forceinline__ char* half_slot(const Args& a, int c, int h, int slot, int col0) {
   return a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes + slot + 4 * col0;  // col0 = 64 z
 }
@@ -524,8 +543,7 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
     const float* sGam = reinterpret_cast<const float*>(st + FW_GAM);
     // h of this chunk: the state entering it
     if constexpr (!SUMMARY) {
-      float* dst = a.h + (static_cast<int64_t>(first + j) * H + h) * D * D;
-      state_tile_store(dst, ST, vcol, g4, l4);
+      store_state_split(split_state(a.h, first + j, h, H, col0), ST, warp, lane);
     }
     // V_new^T = U^T - S^T W^T
     float VN[8][4];
@@ -616,8 +634,7 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     const bf16* sDO = reinterpret_cast<const bf16*>(st + RW_DO);
     const float* sGam = reinterpret_cast<const float*>(st + RW_GAM);
     if constexpr (!SUMMARY) {
-      float* dst = a.dh + (static_cast<int64_t>(first + j) * H + h) * D * D;
-      state_tile_store(dst, ST, vcol, g4, l4);
+      store_state_split(split_state(a.dh, first + j, h, H, col0), ST, warp, lane);
     }
     // dV_new^T = dO^T Aqk + dS^T Kg^T
     float DV[8][4];
@@ -688,10 +705,11 @@ constexpr int A_DO = 0;
 constexpr int A_V = 65536;
 constexpr int A_AH = 81920;   // kept through phase B
 constexpr int A_AL = 90112;
-constexpr int A_SH = 98304;   // bf16 sw64 [128][64]
+constexpr int A_SH = 98304;   // S^T, dS^T hi / lo of the value half: bf16 sw128 [64][128]
 constexpr int A_SL = 114688;
 constexpr int A_DH = 131072;
 constexpr int A_DL = 147456;
+constexpr int A_DGP = 196608; // fp32 [NT][8] dgamma partials (phase A)
 // per half z: V_new^T, dV_new^T hi / lo (sw64 [64][64]), half 0 at 160 KiB, half 1 at 16 KiB
 __host__ __device__ constexpr int a_vn(int z, int tile) { return (z == 0 ? 163840 : 16384) + 8192 * tile; }
 constexpr int kVNH = 0, kVNL = 1, kDVH = 2, kDVL = 3;
@@ -733,8 +751,6 @@ struct GradsTiling {
   static constexpr int CG = NW / 4;       // column groups
   static constexpr int NT128 = 16 / CG;   // 8-column mma tiles per warp of a 128-column output
   static constexpr int NT64 = 8 / CG;     // ... of a 64-column output
-  static constexpr int TPR = NTH / 128;   // threads per key row when loading S and dS
-  static constexpr int TPR_SHIFT = TPR == 2 ? 1 : 2;
   static constexpr int SMEM = S_DB + 4 * CG * C * 4;
   static_assert(SMEM <= 232448, "grads smem");
 };
@@ -756,6 +772,40 @@ constexpr bool kSD = (KDA_BWD_SPLIT >> 3) & 1;
 constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
 constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
 
+// Value half z of S and dS from the split states h, dh (kda_bwd.h) into the swizzled S^T, dS^T tiles [value
+// column 64][key 128] (hi and lo each), through registers: a 16-byte piece holds 8 adjacent keys of one value
+// column, copied as is (no conversion), and its S o dS products go into the thread's dgamma partials of those
+// keys. Every piece a thread moves has key block nt = (tid / 16) % 16: its 8 partials (summed over both halves)
+// stay in shared memory at `mine` (registers are short during the products that follow).
+template <int NT>
+__device__ __forceinline__ void stage_states(char* smem, const char* S, const char* dS, int z, int tid, float* mine) {
+  static_assert((C * 16) % NT == 0, "whole pieces per thread");
+  float dg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int k = 0; k < C * 16 / NT; ++k) {
+    const int p = tid + k * NT, u = p >> 3, g4 = p & 7;
+    const int w = u >> 5, nt = (u >> 1) & 15, eh = u & 1;
+    const int off = kSplitHalfBytes * z + (2 * (16 * w + nt) + eh) * 256 + 16 * g4;
+    const uint4 sh = *reinterpret_cast<const uint4*>(S + off), sl = *reinterpret_cast<const uint4*>(S + off + 128);
+    const uint4 th = *reinterpret_cast<const uint4*>(dS + off), tl = *reinterpret_cast<const uint4*>(dS + off + 128);
+    const int so = 2 * sw128(16 * w + g4 + 8 * eh, 8 * nt);  // bytes
+    *reinterpret_cast<uint4*>(smem + A_SH + so) = sh;
+    *reinterpret_cast<uint4*>(smem + A_SL + so) = sl;
+    *reinterpret_cast<uint4*>(smem + A_DH + so) = th;
+    *reinterpret_cast<uint4*>(smem + A_DL + so) = tl;
+    const uint32_t a[4] = {sh.x, sh.y, sh.z, sh.w}, b[4] = {sl.x, sl.y, sl.z, sl.w};
+    const uint32_t c[4] = {th.x, th.y, th.z, th.w}, d[4] = {tl.x, tl.y, tl.z, tl.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 s0 = bf2_to_f2(a[i]), s1 = bf2_to_f2(b[i]), t0 = bf2_to_f2(c[i]), t1 = bf2_to_f2(d[i]);
+      dg[2 * i] = fmaf(s0.x + s1.x, t0.x + t1.x, dg[2 * i]);
+      dg[2 * i + 1] = fmaf(s0.y + s1.y, t0.y + t1.y, dg[2 * i + 1]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) mine[i] = z == 0 ? dg[i] : mine[i] + dg[i];
+}
+
 template <int NW>
 __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   using T = GradsTiling<NW>;
@@ -769,8 +819,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   const int64_t base = (tok * H + h) * D;
   const char* rec = a.prep + (static_cast<int64_t>(c) * H + h) * kPrepBytes;
   const float* gP = reinterpret_cast<const float*>(rec + kRecP);
-  const float* Sg = a.h + (static_cast<int64_t>(c) * H + h) * D * D;
-  const float* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * D * D;
+  const char* Sg = a.h + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes;
+  const char* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes;
 
   auto B16 = [&](int off) { return reinterpret_cast<bf16*>(smem + off); };
   float* sBeta = reinterpret_cast<float*>(smem + S_BETA);
@@ -804,35 +854,19 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   zero(dKg);
   zero(dAqk);
   zero(dAU);
-  float dgam = 0.f;  // thread's key row d = tid >> 1, half of the value columns
+  float* dgp = reinterpret_cast<float*>(smem + A_DGP);  // [NT][8] dgamma partials, keys 8 ((tid / 16) % 16) + i
 
   for (int vh = 0; vh < 2; ++vh) {
     const int voff = 64 * vh;
-    // S, dS_next halves -> bf16 hi / lo [128][64]; dgamma partial
-    {
-      const int d = tid >> T::TPR_SHIFT, cb = (tid & (T::TPR - 1)) * (64 / T::TPR);  // T::TPR threads per row
-#pragma unroll
-      for (int i = 0; i < 16 / T::TPR; ++i) {
-        const int cc = cb + 4 * i;
-        const float4 s4 = *reinterpret_cast<const float4*>(Sg + d * D + voff + cc);
-        const float4 t4 = *reinterpret_cast<const float4*>(dSg + d * D + voff + cc);
-        dgam = fmaf(s4.x, t4.x, dgam);
-        dgam = fmaf(s4.y, t4.y, dgam);
-        dgam = fmaf(s4.z, t4.z, dgam);
-        dgam = fmaf(s4.w, t4.w, dgam);
-        st2<64>(B16(A_SH), kSS ? B16(A_SL) : nullptr, d, cc, s4.x, s4.y);
-        st2<64>(B16(A_SH), kSS ? B16(A_SL) : nullptr, d, cc + 2, s4.z, s4.w);
-        st2<64>(B16(A_DH), (kSS || kSM) ? B16(A_DL) : nullptr, d, cc, t4.x, t4.y);
-        st2<64>(B16(A_DH), (kSS || kSM) ? B16(A_DL) : nullptr, d, cc + 2, t4.z, t4.w);
-      }
-    }
+    // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
+    stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
     cp_async_wait_all();
     __syncthreads();
     const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
     // products reduced over the value columns of this half (V_new, dV_new stored transposed)
-    wgemm<1, NT128, 128, false, false, 64, false, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, NT128, 64, true, kSV, 64, false, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, NT128, 64, true, kSV, 64, false, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
+    wgemm<1, NT128, 128, false, false, 128, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, NT128, 64, true, kSV, 128, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, NT128, 64, true, kSV, 128, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
     wgemm<1, NT64, 128, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
     wgemm<1, NT64, 64, true, kSV, 128, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
     {
@@ -854,14 +888,13 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     }
     __syncthreads();
   }
-  if constexpr (T::TPR == 2) {
-    const float o = __shfl_xor_sync(0xffffffffu, dgam, 1);
-    if ((tid & 1) == 0) sDgam[tid >> 1] = dgam + o;
-  } else {
-    float s = dgam;
+  if (tid < D) {  // dgamma of key tid: the partials of the 16 threads x NT / 256 replicas of its key block, in order
+    const float* q = dgp + 8 * (16 * (tid >> 3)) + (tid & 7);
+    float sum = 0.f;
+    for (int r = 0; r < NT / 256; ++r)
 #pragma unroll
-    for (int off = 1; off < T::TPR; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if ((tid & (T::TPR - 1)) == 0) sDgam[tid >> T::TPR_SHIFT] = s;
+      for (int j = 0; j < 16; ++j) sum += q[8 * (256 * r + j)];
+    sDgam[tid] = sum;
   }
 
   // ---- phase B1: G, q, k; consume dQg, dKg; stage dW, s dAqk, K o exp(G) ----

@@ -1,6 +1,7 @@
 // Host launchers of the backward kernels (kda_bwd.cu). All pointers are device pointers; nothing here
 // allocates. Layouts: q, k, v, do, dq, dk, dv [T, H, 128] bf16; g, dg [T, H, 128] fp32; beta, dbeta
-// [T, H] bf16; states and their gradients [n, H, 128, 128] fp32 indexed [.., key, value].
+// [T, H] bf16; states and their gradients [n, H, 128, 128] fp32 indexed [.., key, value], except h and dh
+// (kSplitStateBytes below).
 //
 // Tables (int32): chunks [Nc][2] = (first token, rows); walk rows [n][4] = (first chunk row, chunk count,
 // idx, src): the state enters from fold[idx] when src == 1, else from state_in / dstate_out[idx]
@@ -38,6 +39,14 @@ constexpr int kPrepBytes = 164352;
 constexpr int kRecVn = kRecU;
 constexpr int kWalkRowBytes = 512;
 
+// h and dh as the walks write them and the gradient kernel reads them: per (chunk, head) the state S[key]
+// [value] as bf16 hi + lo (64 KiB, the bytes of an FP32 state) in the walks' fragment order, so that each
+// warp store writes 128 contiguous bytes and the gradient kernel copies 16-byte pieces straight into its
+// swizzled S^T tiles: at byte 32768 z (value half z) + 256 (2 (16 w + nt) + eh) + 128 hl, the 32 lanes'
+// words (lane 4 g + l: keys 8 nt + 2 l, + 1 of value column 64 z + 16 w + 8 eh + g; hl 0 hi, 1 lo).
+constexpr int kSplitStateBytes = 65536;
+constexpr int kSplitHalfBytes = 32768;
+
 struct Args {
   const void* q;
   const void* k;
@@ -52,8 +61,8 @@ struct Args {
   int H;
   float scale;
   char* prep;               // [Nc * H * kPrepBytes]
-  float* h;                 // [Nc, H, K, V] state entering each chunk
-  float* dh;                // [Nc, H, K, V] gradient of the state leaving each chunk
+  char* h;                  // [Nc, H] x kSplitStateBytes: state entering each chunk (split, below)
+  char* dh;                 // [Nc, H] x kSplitStateBytes: gradient of the state leaving each chunk
   const float* state_in;    // [*, H, K, V] or null
   const float* dstate_out;  // [*, H, K, V] or null
   float* mt_out;            // backward summaries: [n, H, K, K]

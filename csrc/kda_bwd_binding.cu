@@ -53,6 +53,17 @@ B::Args base_args(const TensorView& chunks, const TensorView& runs, int64_t H, T
   return a;
 }
 
+// h or dh: bf16 [Nc, H, 2, 128, 128], the bytes of the split state of every chunk-head (kda_bwd.h)
+char* check_split_state(const TensorView& t, const char* name, int64_t nchunks, int64_t H, int dev) {
+  check_cuda(t, name, dev);
+  TVM_FFI_CHECK(is_dtype(t, kDLBfloat, 16), TypeError) << name << " must be bfloat16";
+  TVM_FFI_CHECK(t.ndim() == 5 && t.size(0) == nchunks && t.size(1) == H && t.size(2) == 2 && t.size(3) == kD &&
+                    t.size(4) == kD,
+                ValueError)
+      << name << " must be [Nc, H, 2, 128, 128]";
+  return static_cast<char*>(t.data_ptr());
+}
+
 // Args of the walk and summary kernels: the chunk table, the row table (rows_name) and the prep records
 // checked first.
 B::Args walk_args(const TensorView& prep, const TensorView& chunks, const TensorView& rows, const char* rows_name,
@@ -98,32 +109,32 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
   raise_on(B::launch_prep(a, static_cast<int>(warps), stream_of(q)), "kda bwd_prep launch");
 }
 
-// h[c] = state entering chunk c of every walk row (first chunk, count, idx, src): from fold[idx] when
+// h[c] = state entering chunk c (split, kda_bwd.h) of every walk row (first chunk, count, idx, src): from fold[idx] when
 // src == 1, else state_in[idx] (numel 0 = zeros).
 void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView fold,
                   TensorView h) {
   const int dev = prep.device().device_id;
-  TVM_FFI_CHECK(h.ndim() == 4, ValueError) << "h must be [Nc, H, 128, 128]";
+  TVM_FFI_CHECK(h.ndim() == 5, ValueError) << "h must be [Nc, H, 2, 128, 128]";
   const int64_t H = h.size(1);
-  check_state(h, "h", chunks.size(0), H, dev);
+  char* hp = check_split_state(h, "h", chunks.size(0), H, dev);
   B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
-  a.h = static_cast<float*>(h.data_ptr());
+  a.h = hp;
   a.state_in = optional_state(state_in, "state_in", H, dev);
   a.fold = optional_state(fold, "segment states", H, dev);
   raise_on(B::launch_fwd_walk(a, stream_of(h)), "kda bwd_fwd_walk launch");
 }
 
-// dh[c] = gradient of the state leaving chunk c, walking every run from its end (dstate_out or zero).
+// dh[c] = gradient of the state leaving chunk c (split, kda_bwd.h), walking every run from its end (dstate_out or zero).
 void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
                   TensorView fold, TensorView dh) {
   const int dev = prep.device().device_id;
-  TVM_FFI_CHECK(dh.ndim() == 4, ValueError) << "dh must be [Nc, H, 128, 128]";
+  TVM_FFI_CHECK(dh.ndim() == 5, ValueError) << "dh must be [Nc, H, 2, 128, 128]";
   const int64_t H = dh.size(1);
-  check_state(dh, "dh", chunks.size(0), H, dev);
+  char* dhp = check_split_state(dh, "dh", chunks.size(0), H, dev);
   check_dout(dout, H, dev);
   B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
   a.dout = dout.data_ptr();
-  a.dh = static_cast<float*>(dh.data_ptr());
+  a.dh = dhp;
   a.dstate_out = optional_state(dstate_out, "dstate_out", H, dev);
   a.fold = optional_state(fold, "segment state gradients", H, dev);
   raise_on(B::launch_rev_walk(a, stream_of(dh)), "kda bwd_rev_walk launch");
@@ -174,13 +185,13 @@ void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorVie
   check_tok(dg, "dg", T, H, kDLFloat, 32, dev);
   check_beta(dbeta, "dbeta", T, H, dev);
   check_table(chunks, "chunk table", 2, dev);
-  check_state(h, "h", chunks.size(0), H, dev);
-  check_state(dh, "dh", chunks.size(0), H, dev);
+  char* hp = check_split_state(h, "h", chunks.size(0), H, dev);
+  char* dhp = check_split_state(dh, "dh", chunks.size(0), H, dev);
   check_prep(prep, chunks.size(0), H, dev);
   B::Args a = chunk_args(chunks, prep, H, q, k, v, g, beta, scale);
   a.dout = dout.data_ptr();
-  a.h = static_cast<float*>(h.data_ptr());
-  a.dh = static_cast<float*>(dh.data_ptr());
+  a.h = hp;
+  a.dh = dhp;
   a.dq = dq.data_ptr();
   a.dk = dk.data_ptr();
   a.dv = dv.data_ptr();

@@ -31,6 +31,12 @@ __all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "records_arena_byte
 
 PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
 STATE_BYTES = _D * _D * 4
+def SPLIT_STATE(n: int, H: int) -> tuple:  # noqa: N802 (a shape, like the constants around it)
+    """Shape of h or dh: bf16 [n, H, 2, 128, 128], the bytes of an FP32 state per chunk-head holding the
+    state as bf16 hi + lo in the walks' fragment order (kda_bwd.h kSplitStateBytes; ``split_states``)."""
+    return (n, H, 2, _D, _D)
+
+
 REC_VN, REC_DVN = 81920, 131584  # byte offsets of the walks' V_new (over U) and dV_new; kda_bwd.h kRecVn, kRecDvn
 
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
@@ -307,6 +313,15 @@ def walk_tiles(records: torch.Tensor, offset: int) -> torch.Tensor:
     return x.permute(0, 1, 3, 4, 8, 9, 6, 2, 5, 7).reshape(n, H, 64, _D)
 
 
+def split_states(x: torch.Tensor) -> torch.Tensor:
+    """The states S[key][value] as fp32 [n, H, 128, 128] from h or dh (``SPLIT_STATE``, for tests and
+    diagnostics). Per chunk-head, kda_bwd.h: value half z, warp w, key step nt, eh, hi / lo, then 32 lanes
+    (4 g + l) of two adjacent keys 8 nt + 2 l (+1) of value column 64 z + 16 w + 8 eh + g."""
+    n, H = x.shape[:2]
+    y = x.contiguous().view(torch.bfloat16).float().reshape(n, H, 2, 4, 16, 2, 2, 8, 4, 2).sum(6)
+    return y.permute(0, 1, 4, 7, 8, 2, 3, 5, 6).reshape(n, H, _D, _D)  # [n, H, (nt, l, e), (z, w, eh, g)]
+
+
 def saved_bytes(num_chunks: int, num_heads: int) -> int:
     """Bytes the CUDA backward needs saved from the forward: none beyond the inputs (it recomputes)."""
     return 0
@@ -383,8 +398,8 @@ class PreparedBackward:
         dq, dk, dv, dg, dbeta = grads
         chunks, _ = _tables(self.plan, self.dev)
         nc, prep = chunks.shape[0], self.prep
-        h = arena.empty((nc, H, _D, _D), torch.float32)
-        dh = arena.empty((nc, H, _D, _D), torch.float32)
+        h = arena.empty(SPLIT_STATE(nc, H), torch.bfloat16)
+        dh = arena.empty(SPLIT_STATE(nc, H), torch.bfloat16)
         st = _seg_tables(self.plan, H, self.dev)
         ffold, rfold = e0, e0
         if st.num_sum_f:
@@ -420,8 +435,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     lean = _lean_passes(plan, H, dev, passes)
     ncmax = max(p.num_chunks for p in lean)
     prep_all = arena.empty((ncmax * H * PREP_BYTES,), torch.uint8)
-    h_all = arena.empty((ncmax, H, _D, _D), torch.float32)
-    dh_all = arena.empty((ncmax, H, _D, _D), torch.float32)
+    h_all = arena.empty(SPLIT_STATE(ncmax, H), torch.bfloat16)
+    dh_all = arena.empty(SPLIT_STATE(ncmax, H), torch.bfloat16)
 
     def views(p):  # exact-size buffers of one pass
         return prep_all[: p.num_chunks * H * PREP_BYTES], h_all[: p.num_chunks], dh_all[: p.num_chunks]

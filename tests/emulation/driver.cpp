@@ -6,7 +6,7 @@ int e_prep(void* q, void* k, void* v, float* g, void* beta, int32_t* chunks, int
   Args a{}; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunks = nchunks; a.H = H; a.scale = scale; a.prep = prep;
   return launch_prep(a, warps, nullptr);
 }
-int e_fwd_walk(char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* sin, float* fold, float* h) {
+int e_fwd_walk(char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* sin, float* fold, char* h) {  // h, dh: split states (kda_bwd.h)
   Args a{}; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = runs; a.nruns = nruns; a.H = H; a.state_in = sin; a.fold = fold; a.h = h;
   return launch_fwd_walk(a, nullptr);
 }
@@ -14,7 +14,7 @@ int e_fwd_summary(char* prep, int32_t* chunks, int nchunks, int32_t* segs, int n
   Args a{}; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = segs; a.nruns = nseg; a.H = H; a.m_out = m; a.e_out = e;
   return launch_fwd_summary(a, nullptr);
 }
-int e_rev_walk(void* dout, char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* dso, float* fold, float* dh) {
+int e_rev_walk(void* dout, char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* dso, float* fold, char* dh) {
   Args a{}; a.dout = dout; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = runs; a.nruns = nruns; a.H = H; a.dstate_out = dso; a.fold = fold; a.dh = dh;
   return launch_rev_walk(a, nullptr);
 }
@@ -23,7 +23,7 @@ int e_rev_summary(void* dout, char* prep, int32_t* chunks, int nchunks, int32_t*
   return launch_rev_summary(a, nullptr);
 }
 int e_grads(void* q, void* k, void* v, float* g, void* beta, void* dout, int32_t* chunks, int nchunks, int H, char* prep,
-             float* h, float* dh, void* dq, void* dk, void* dv, float* dg, void* dbeta, float scale, int warps) {
+             char* h, char* dh, void* dq, void* dk, void* dv, float* dg, void* dbeta, float scale, int warps) {
   Args a{}; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.dout = dout; a.chunks = chunks; a.nchunks = nchunks; a.H = H;
   a.prep = prep; a.h = h; a.dh = dh; a.dq = dq; a.dk = dk; a.dv = dv; a.dg = dg; a.dbeta = dbeta; a.scale = scale;
   return launch_grads(a, warps, nullptr);

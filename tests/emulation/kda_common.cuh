@@ -67,6 +67,7 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
   }
 }
 inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo).x, __float2bfloat16_rn(hi).x); }
+inline float2 bf2_to_f2(uint32_t w) { return make_float2(bf(w, 0), bf(w, 1)); }
 inline void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
   __nv_bfloat16 hx = __float2bfloat16_rn(x), hy = __float2bfloat16_rn(y);
   hi = pk(hx.x, hy.x);
