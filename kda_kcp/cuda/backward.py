@@ -5,15 +5,16 @@
 
 Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writes one 160.5 KiB record
 (W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma; room for dV_new); a forward walk
-per (run, head, 64 value columns) writes h (the state entering each chunk, fp32) and V_new over U; a
-reverse walk writes dh (the gradient of the state leaving each chunk, fp32) and dV_new, or the
-summaries; a gradient kernel per (chunk, head) finishes from the record, h and dh. Because the forward
+per (run, head, 64 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
+walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries; a gradient
+kernel per (chunk, head) finishes from the record, h and dh. h and dh hold each state as bf16 hi + lo in the
+walks' register order (``SPLIT_STATE``, ``split_states``). Because the forward
 walk overwrites U, the records of a ``PreparedBackward`` serve one ``grads`` call. Nothing is reduced
 with atomics: both packages run the same kernels and the result is bitwise repeatable; ``deterministic``
 is accepted for either value.
 
-Tensors: q, k, v, do bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
-indexed [run, head, key, value].
+Tensors: q, k, v, do bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; incoming states, their
+gradients and the summaries fp32 [R, H, 128, 128] indexed [run, head, key, value].
 """
 
 from __future__ import annotations
