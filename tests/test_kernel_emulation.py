@@ -288,11 +288,16 @@ def _check_vs_oracle(got, ref, where):
 def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
     """One W = 1 forward + backward through kda_kcp.cuda (segmented forward and backward walks, folds, a
     workspace of exactly the queried size) against the FP64 oracle, and the lean backward (2 passes)
-    bitwise equal to the replay one."""
+    bitwise equal to the replay one; prepared records serve one gradient call (the forward walk writes
+    V_new over U), a second one raises."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
     cu = [0, 70, 300]
     H = 1
-    _, inputs, do, _, _ = _case(cu, H, 7)
+    plan, inputs, do, _, _ = _case(cu, H, 7)
+    prepared = cb.PreparedBackward(*inputs, do, SCALE, plan)
+    prepared.grads()
+    with pytest.raises(RuntimeError, match="once per prepared backward"):
+        prepared.grads()
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu))
     ws = kda_kcp.WorkspaceKcp.from_buffer(
         torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H), dtype=torch.uint8), True, "replay", None)
