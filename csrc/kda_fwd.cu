@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     if (has_next) issue_a(ch + 1);
     cp_async_commit();
 
-    // ---- V_new^T = U^T + S^T (-W)^T ; O^T = S^T Qg^T (S as hi + lo) ----
+    // ---- V_new^T = U^T + S^T (-W)^T ; O^T = S^T Qg^T (S as hi + lo; hi only under KDA_WALK_HI_ONLY) ----
     float O[8][4];
     zero_frags(O);
 #pragma unroll
@@ -565,12 +565,12 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
         uint32_t bw[4];
         ldb<128>(bw, sW, ks * 16, np * 16, lane);
         mma_n16(VN[2 * np], VN[2 * np + 1], sh, bw);
-        mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
+        if constexpr (kWalkLo) mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
         if constexpr (OUT) {
           uint32_t bq[4];
           ldb<128>(bq, sQg, ks * 16, np * 16, lane);
           mma_n16(O[2 * np], O[2 * np + 1], sh, bq);
-          mma_n16(O[2 * np], O[2 * np + 1], sl, bq);
+          if constexpr (kWalkLo) mma_n16(O[2 * np], O[2 * np + 1], sl, bq);
         }
       }
     }

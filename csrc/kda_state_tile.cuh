@@ -13,6 +13,14 @@ namespace kda {
 
 constexpr int kStateDim = 128;  // K = V = head dim
 
+// KDA_WALK_HI_ONLY = 1: the walks carry the state S (in V_new = U - W S and O) and V_new (in the rank-16
+// update) as bf16 hi only, one tensor-core product instead of two. A variant for an A/B, not the default:
+// priced on a CPU model of the walk only (scripts/walk_precision_study.py, NOTES.md session 5).
+#ifndef KDA_WALK_HI_ONLY
+#define KDA_WALK_HI_ONLY 0
+#endif
+constexpr bool kWalkLo = !KDA_WALK_HI_ONLY;  // the lo halves of S and V_new enter the walks' products
+
 // ST from src (fp32 [K][V], null: zero) when FROM_SRC, else the columns of the identity when `identity`
 // (summary from a zero state: the M part starts as I, the offset part as 0).
 template <bool FROM_SRC>
@@ -53,8 +61,10 @@ __device__ __forceinline__ void state_tile_rank16(float (&ST)[16][4], const uint
     ldb_t<128>(b, B, ks * 16, np * 16, lane);
     mma(ST[2 * np], vh, b[0], b[1]);
     mma(ST[2 * np + 1], vh, b[2], b[3]);
-    mma(ST[2 * np], vl, b[0], b[1]);
-    mma(ST[2 * np + 1], vl, b[2], b[3]);
+    if constexpr (kWalkLo) {
+      mma(ST[2 * np], vl, b[0], b[1]);
+      mma(ST[2 * np + 1], vl, b[2], b[3]);
+    }
   }
 }
 
@@ -73,7 +83,7 @@ __device__ __forceinline__ void state_tile_mul(float (&acc)[8][4], const float (
       uint32_t b[4];
       ldb<128>(b, B, ks * 16, np * 16, lane);
       mma_n16(acc[2 * np], acc[2 * np + 1], sh, b);
-      mma_n16(acc[2 * np], acc[2 * np + 1], sl, b);
+      if constexpr (kWalkLo) mma_n16(acc[2 * np], acc[2 * np + 1], sl, b);
     }
   }
 }

@@ -137,8 +137,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KDA_KCP_CACHE_DIR") or Path.home() / ".cache" / "kda_kcp")
 
 
-def build_program(name: str, arch: str, out_dir: Path) -> Path:
-    """Compile program ``name`` for ``arch`` into ``out_dir/<name>.so`` (no GPU needed). Returns the path."""
+def build_program(name: str, arch: str, out_dir: Path, defines=()) -> Path:
+    """Compile program ``name`` for ``arch`` into ``out_dir/<name>.so`` (no GPU needed). Returns the path.
+    ``defines``: extra ``NAME=VALUE`` macros (builds for A/Bs of compile-time variants, never the JIT's)."""
     _check_arch(arch)
     prog = _program(name)
     nvcc = _find_nvcc()
@@ -151,7 +152,7 @@ def build_program(name: str, arch: str, out_dir: Path) -> Path:
 
     root = _source_root()
     out_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-std=c++17", *prog.get("flags", [])]
+    flags = ["-O3", "-std=c++17", *prog.get("flags", []), *(f"-D{d}" for d in defines)]
     old_home = os.environ.get("CUDA_HOME")
     old_arch = os.environ.get("TVM_FFI_CUDA_ARCH_LIST")
     home = Path(nvcc).parent.parent

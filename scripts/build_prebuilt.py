@@ -2,6 +2,7 @@
 """Build every program of build.json for the given archs into kda_kcp/prebuilt/<arch>/ (or --out DIR).
 
 Needs nvcc (and ninja) but no GPU:  python scripts/build_prebuilt.py --arch sm_90a sm_100a sm_103a
+A compile-time variant for an A/B (gpu_session.sh PREBUILT=...):  ... --out DIR --define KDA_WALK_HI_ONLY=1
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def main() -> int:
     ap.add_argument("--arch", nargs="+", required=True, help="e.g. sm_90a sm_100a sm_103a")
     ap.add_argument("--out", default=None, help="output root (default: kda_kcp/prebuilt)")
     ap.add_argument("--program", nargs="*", default=None, help="only these programs")
+    ap.add_argument("--define", nargs="*", default=(), metavar="NAME=VALUE",
+                    help="extra macros, for an A/B of a compile-time variant (e.g. KDA_WALK_HI_ONLY=1)")
     args = ap.parse_args()
     out_root = Path(args.out) if args.out else Path(jit.__file__).resolve().parent / "prebuilt"
     progs = [p["name"] for p in jit.manifest()["programs"]]
@@ -31,7 +34,7 @@ def main() -> int:
         for name in progs:
             t0 = time.time()
             try:
-                path = jit.build_program(name, arch, out_root / arch)
+                path = jit.build_program(name, arch, out_root / arch, args.define)
             except jit.KernelBuildError as exc:
                 print(f"{arch} {name}: FAILED: {exc}", file=sys.stderr)
                 failed += 1
