@@ -5,10 +5,10 @@
 //                                          cores, A = (I + L)^-1 in FP32 (blocked substitution), W, U, Kg,
 //                                          s Qg, gamma -> one record per chunk-head in the workspace.
 //   fwd_walk_kernel  (run, head, 64 cols): S^T in registers (FP32 accumulators), serial over the run's
-//                                          chunks: writes h (state entering each chunk, FP32) and
-//                                          V_new (bf16 hi + lo, over U in the record).
+//                                          chunks: writes h (state entering each chunk, bf16 hi + lo,
+//                                          kSplitStateBytes) and V_new (bf16 hi + lo, over U in the record).
 //   rev_walk_kernel  (run, head, 64 cols): dS^T in registers, serial from the run's end: writes dh
-//                                          (gradient of the state leaving each chunk, FP32) and dV_new
+//                                          (gradient of the state leaving each chunk, split like h) and dV_new
 //                                          (bf16 hi + lo, into the record), or the backward summary
 //                                          (M^T | F) of a run from a zero dS.
 //   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads)

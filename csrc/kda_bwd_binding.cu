@@ -109,8 +109,8 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
   raise_on(B::launch_prep(a, static_cast<int>(warps), stream_of(q)), "kda bwd_prep launch");
 }
 
-// h[c] = state entering chunk c (split, kda_bwd.h) of every walk row (first chunk, count, idx, src): from fold[idx] when
-// src == 1, else state_in[idx] (numel 0 = zeros).
+// h[c] = state entering chunk c (split, kda_bwd.h) of every walk row (first chunk, count, idx, src): from
+// fold[idx] when src == 1, else state_in[idx] (numel 0 = zeros).
 void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView fold,
                   TensorView h) {
   const int dev = prep.device().device_id;
@@ -124,7 +124,8 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
   raise_on(B::launch_fwd_walk(a, stream_of(h)), "kda bwd_fwd_walk launch");
 }
 
-// dh[c] = gradient of the state leaving chunk c (split, kda_bwd.h), walking every run from its end (dstate_out or zero).
+// dh[c] = gradient of the state leaving chunk c (split, kda_bwd.h), walking every run from its end
+// (dstate_out or zero).
 void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
                   TensorView fold, TensorView dh) {
   const int dev = prep.device().device_id;

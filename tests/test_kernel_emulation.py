@@ -149,7 +149,7 @@ def test_records_walks_and_summaries(emu):
     m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
     assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e)) == 0
     assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f)) == 0
-    h = torch.full(cb.SPLIT_STATE(nc, H), float("nan"), dtype=torch.bfloat16)
+    h = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
     dh = torch.full_like(h, float("nan"))
     assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h)) == 0
     assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh)) == 0
@@ -172,7 +172,7 @@ def test_gradient_kernel(emu):
     H, R = 2, plan.num_runs
     chunks, runs, prep = _prep(emu, plan, inputs)
     nc = chunks.shape[0]
-    h = torch.full(cb.SPLIT_STATE(nc, H), float("nan"), dtype=torch.bfloat16)
+    h = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
     dh = torch.full_like(h, float("nan"))
     assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h)) == 0
     assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh)) == 0

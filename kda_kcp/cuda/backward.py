@@ -7,11 +7,11 @@ Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writ
 (W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma; room for dV_new); a forward walk
 per (run, head, 64 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
 walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries; a gradient
-kernel per (chunk, head) finishes from the record, h and dh. h and dh hold each state as bf16 hi + lo in the
-walks' register order (``SPLIT_STATE``, ``split_states``). Because the forward
-walk overwrites U, the records of a ``PreparedBackward`` serve one ``grads`` call. Nothing is reduced
-with atomics: both packages run the same kernels and the result is bitwise repeatable; ``deterministic``
-is accepted for either value.
+kernel per (chunk, head) finishes from the record, h and dh. h and dh hold each state as bf16 hi + lo in
+the walks' register order (``split_state_shape``, ``split_states``). Because the forward walk overwrites U,
+the records of a ``PreparedBackward`` serve one ``grads`` call. Nothing is reduced with atomics: both
+packages run the same kernels and the result is bitwise repeatable; ``deterministic`` is accepted for
+either value.
 
 Tensors: q, k, v, do bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; incoming states, their
 gradients and the summaries fp32 [R, H, 128, 128] indexed [run, head, key, value].
@@ -31,13 +31,6 @@ __all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "records_arena_byte
            "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load"]
 
 PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
-STATE_BYTES = _D * _D * 4
-def SPLIT_STATE(n: int, H: int) -> tuple:  # noqa: N802 (a shape, like the constants around it)
-    """Shape of h or dh: bf16 [n, H, 2, 128, 128], the bytes of an FP32 state per chunk-head holding the
-    state as bf16 hi + lo in the walks' fragment order (kda_bwd.h kSplitStateBytes; ``split_states``)."""
-    return (n, H, 2, _D, _D)
-
-
 REC_VN, REC_DVN = 81920, 131584  # byte offsets of the walks' V_new (over U) and dV_new; kda_bwd.h kRecVn, kRecDvn
 
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
@@ -302,6 +295,12 @@ def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = No
     return n
 
 
+def split_state_shape(n: int, H: int) -> tuple:
+    """Shape of h or dh: bf16 [n, H, 2, 128, 128], the bytes of an FP32 state per chunk-head holding the
+    state as bf16 hi + lo in the walks' fragment order (kda_bwd.h kSplitStateBytes; ``split_states``)."""
+    return (n, H, 2, _D, _D)
+
+
 def walk_tiles(records: torch.Tensor, offset: int) -> torch.Tensor:
     """V_new (``offset`` REC_VN) or dV_new (REC_DVN) as fp32 [N, H, 64 tokens, 128] from prep records
     [N, H, PREP_BYTES] uint8 after the walks (for tests and diagnostics). The walks' fragment order
@@ -315,7 +314,7 @@ def walk_tiles(records: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def split_states(x: torch.Tensor) -> torch.Tensor:
-    """The states S[key][value] as fp32 [n, H, 128, 128] from h or dh (``SPLIT_STATE``, for tests and
+    """The states S[key][value] as fp32 [n, H, 128, 128] from h or dh (``split_state_shape``, for tests and
     diagnostics). Per chunk-head, kda_bwd.h: value half z, warp w, key step nt, eh, hi / lo, then 32 lanes
     (4 g + l) of two adjacent keys 8 nt + 2 l (+1) of value column 64 z + 16 w + 8 eh + g."""
     n, H = x.shape[:2]
@@ -399,8 +398,8 @@ class PreparedBackward:
         dq, dk, dv, dg, dbeta = grads
         chunks, _ = _tables(self.plan, self.dev)
         nc, prep = chunks.shape[0], self.prep
-        h = arena.empty(SPLIT_STATE(nc, H), torch.bfloat16)
-        dh = arena.empty(SPLIT_STATE(nc, H), torch.bfloat16)
+        h = arena.empty(split_state_shape(nc, H), torch.bfloat16)
+        dh = arena.empty(split_state_shape(nc, H), torch.bfloat16)
         st = _seg_tables(self.plan, H, self.dev)
         ffold, rfold = e0, e0
         if st.num_sum_f:
@@ -436,8 +435,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     lean = _lean_passes(plan, H, dev, passes)
     ncmax = max(p.num_chunks for p in lean)
     prep_all = arena.empty((ncmax * H * PREP_BYTES,), torch.uint8)
-    h_all = arena.empty(SPLIT_STATE(ncmax, H), torch.bfloat16)
-    dh_all = arena.empty(SPLIT_STATE(ncmax, H), torch.bfloat16)
+    h_all = arena.empty(split_state_shape(ncmax, H), torch.bfloat16)
+    dh_all = arena.empty(split_state_shape(ncmax, H), torch.bfloat16)
 
     def views(p):  # exact-size buffers of one pass
         return prep_all[: p.num_chunks * H * PREP_BYTES], h_all[: p.num_chunks], dh_all[: p.num_chunks]

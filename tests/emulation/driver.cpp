@@ -6,7 +6,8 @@ int e_prep(void* q, void* k, void* v, float* g, void* beta, int32_t* chunks, int
   Args a{}; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunks = nchunks; a.H = H; a.scale = scale; a.prep = prep;
   return launch_prep(a, warps, nullptr);
 }
-int e_fwd_walk(char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* sin, float* fold, char* h) {  // h, dh: split states (kda_bwd.h)
+// h, dh: split states (kda_bwd.h kSplitStateBytes)
+int e_fwd_walk(char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* sin, float* fold, char* h) {
   Args a{}; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = runs; a.nruns = nruns; a.H = H; a.state_in = sin; a.fold = fold; a.h = h;
   return launch_fwd_walk(a, nullptr);
 }

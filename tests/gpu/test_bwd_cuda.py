@@ -62,7 +62,7 @@ def test_stages_match_torch_stages():
     chunks, runs = cb._tables(plan, DEV)
     nc = chunks.shape[0]
     prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8, device=DEV)
-    h = torch.full(cb.SPLIT_STATE(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+    h = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
     dh = torch.full_like(h, float("nan"))
     e0 = torch.empty(0, device=DEV)
     mod.bwd_prep(*inputs, chunks, prep, SCALE, 8)
