@@ -3,7 +3,8 @@
 //   fold:    X = init (a row of `init`, or zero); for j < count: X = M[first + j] X + E[first + j], each X
 //            written to out0[out + j]. The backward folds (M^T, F) listed from the run's end, the same way.
 //   compose: the whole chain's map: out0[out] = M_last ... M_first, out1[out] its offset (from [I | 0]).
-// One CTA per (chain, head, 32 state columns); X (128 x 32) lives in shared memory. Deterministic.
+// One CTA per (chain, head, 16 state columns); X (128 x 16) lives in shared memory. Deterministic: every
+// output is E + sum over k ascending of M[d][k] X[k][c], in FP32.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,19 +26,36 @@ struct MergeArgs {
 namespace merge_detail {
 
 constexpr int D = 128;
+constexpr int kCols = 16;             // state columns per CTA: 8 CTAs per (chain, head) for a fold
+constexpr int kTiles = D / kCols;
+
+// Thread t owns row d = t / 2 and the 8 columns cb = 8 (t % 2) of the tile: per 4 keys one 16-byte load of its
+// M row (independent of X, so the unrolled loop keeps several in flight), two 16-byte reads of each X row
+// (every lane of a warp reads one of the same two addresses: broadcasts), 32 FMA.
+__device__ __forceinline__ void row_fma(float (&acc)[8], float m, const float* x) {
+  const float4 x0 = *reinterpret_cast<const float4*>(x), x1 = *reinterpret_cast<const float4*>(x + 4);
+  acc[0] = fmaf(m, x0.x, acc[0]);
+  acc[1] = fmaf(m, x0.y, acc[1]);
+  acc[2] = fmaf(m, x0.z, acc[2]);
+  acc[3] = fmaf(m, x0.w, acc[3]);
+  acc[4] = fmaf(m, x1.x, acc[4]);
+  acc[5] = fmaf(m, x1.y, acc[5]);
+  acc[6] = fmaf(m, x1.z, acc[6]);
+  acc[7] = fmaf(m, x1.w, acc[7]);
+}
 
 template <bool COMPOSE>
 __global__ void __launch_bounds__(256) merge_kernel(const MergeArgs a) {
-  __shared__ float X[D][33];
+  __align__(16) __shared__ float X[D][kCols];
   const int c = blockIdx.x, h = blockIdx.y, tile = blockIdx.z;
   const int first = a.chains[c * 4 + 0], cnt = a.chains[c * 4 + 1];
   const int init = a.chains[c * 4 + 2], outi = a.chains[c * 4 + 3];
-  const bool mpart = COMPOSE && tile < 4;  // compose: tiles 0-3 carry the M columns, 4-7 the E columns
-  const int col0 = (tile & 3) * 32;
-  const int t = threadIdx.x, d = t >> 1, cb = (t & 1) * 16;
+  const bool mpart = COMPOSE && tile < kTiles;  // compose: the first kTiles tiles carry M's columns, the rest E's
+  const int col0 = (tile % kTiles) * kCols;
+  const int t = threadIdx.x, d = t >> 1, cb = (t & 1) * 8;
   const int H = a.H;
 #pragma unroll
-  for (int cc = 0; cc < 16; ++cc) {
+  for (int cc = 0; cc < 8; ++cc) {
     const int col = col0 + cb + cc;
     float x = 0.f;
     if (COMPOSE) x = (mpart && d == col) ? 1.f : 0.f;
@@ -48,37 +66,32 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeArgs a) {
   __syncthreads();
   for (int j = 0; j < cnt; ++j) {
     const int64_t base = (static_cast<int64_t>(first + j) * H + h) * D * D;
-    float acc[16];
+    float acc[8];
 #pragma unroll
-    for (int cc = 0; cc < 16; ++cc) acc[cc] = mpart ? 0.f : a.e[base + d * D + col0 + cb + cc];
+    for (int cc = 0; cc < 8; ++cc) acc[cc] = mpart ? 0.f : a.e[base + d * D + col0 + cb + cc];
     const float4* mrow = reinterpret_cast<const float4*>(a.m + base + d * D);
-#pragma unroll 4
-    for (int m4 = 0; m4 < D / 4; ++m4) {
-      const float4 mv = mrow[m4];
-#pragma unroll
-      for (int cc = 0; cc < 16; ++cc) {
-        float s = acc[cc];
-        s = fmaf(mv.x, X[m4 * 4 + 0][cb + cc], s);
-        s = fmaf(mv.y, X[m4 * 4 + 1][cb + cc], s);
-        s = fmaf(mv.z, X[m4 * 4 + 2][cb + cc], s);
-        s = fmaf(mv.w, X[m4 * 4 + 3][cb + cc], s);
-        acc[cc] = s;
-      }
+#pragma unroll 8
+    for (int k4 = 0; k4 < D / 4; ++k4) {
+      const float4 mv = mrow[k4];
+      row_fma(acc, mv.x, &X[4 * k4 + 0][cb]);
+      row_fma(acc, mv.y, &X[4 * k4 + 1][cb]);
+      row_fma(acc, mv.z, &X[4 * k4 + 2][cb]);
+      row_fma(acc, mv.w, &X[4 * k4 + 3][cb]);
     }
     __syncthreads();
 #pragma unroll
-    for (int cc = 0; cc < 16; ++cc) X[d][cb + cc] = acc[cc];
+    for (int cc = 0; cc < 8; ++cc) X[d][cb + cc] = acc[cc];
     __syncthreads();
     if (!COMPOSE) {
       float* dst = a.out0 + (static_cast<int64_t>(outi + j) * H + h) * D * D + d * D + col0 + cb;
 #pragma unroll
-      for (int cc = 0; cc < 16; ++cc) dst[cc] = acc[cc];
+      for (int cc = 0; cc < 8; ++cc) dst[cc] = acc[cc];
     }
   }
   if (COMPOSE) {
     float* dst = (mpart ? a.out0 : a.out1) + (static_cast<int64_t>(outi) * H + h) * D * D + d * D + col0 + cb;
 #pragma unroll
-    for (int cc = 0; cc < 16; ++cc) dst[cc] = X[d][cb + cc];
+    for (int cc = 0; cc < 8; ++cc) dst[cc] = X[d][cb + cc];
   }
 }
 
@@ -86,13 +99,13 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeArgs a) {
 
 inline cudaError_t launch_merge_fold(const MergeArgs& a, cudaStream_t stream) {
   if (a.nchain == 0 || a.H == 0) return cudaSuccess;
-  merge_detail::merge_kernel<false><<<dim3(a.nchain, a.H, 4), 256, 0, stream>>>(a);
+  merge_detail::merge_kernel<false><<<dim3(a.nchain, a.H, merge_detail::kTiles), 256, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 inline cudaError_t launch_merge_compose(const MergeArgs& a, cudaStream_t stream) {
   if (a.nchain == 0 || a.H == 0) return cudaSuccess;
-  merge_detail::merge_kernel<true><<<dim3(a.nchain, a.H, 8), 256, 0, stream>>>(a);
+  merge_detail::merge_kernel<true><<<dim3(a.nchain, a.H, 2 * merge_detail::kTiles), 256, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -565,12 +565,12 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
         uint32_t bw[4];
         ldb<128>(bw, sW, ks * 16, np * 16, lane);
         mma_n16(VN[2 * np], VN[2 * np + 1], sh, bw);
-        if constexpr (kWalkLo) mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
+        if constexpr (kWalkSLo) mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
         if constexpr (OUT) {
           uint32_t bq[4];
           ldb<128>(bq, sQg, ks * 16, np * 16, lane);
           mma_n16(O[2 * np], O[2 * np + 1], sh, bq);
-          if constexpr (kWalkLo) mma_n16(O[2 * np], O[2 * np + 1], sl, bq);
+          if constexpr (kWalkSLo) mma_n16(O[2 * np], O[2 * np + 1], sl, bq);
         }
       }
     }

@@ -13,13 +13,20 @@ namespace kda {
 
 constexpr int kStateDim = 128;  // K = V = head dim
 
-// KDA_WALK_HI_ONLY = 1: the walks carry the state S (in V_new = U - W S and O) and V_new (in the rank-16
-// update) as bf16 hi only, one tensor-core product instead of two. A variant for an A/B, not the default:
-// priced on a CPU model of the walk only (scripts/walk_precision_study.py, NOTES.md session 5).
+// Variants for A/Bs, not the default (NOTES.md, sessions 5 and 6): the walks carry S (in V_new = U - W S
+// and O) and V_new (in the rank-16 update S += V_new^T Kg) as bf16 hi + lo, two tensor-core products each.
+//   KDA_WALK_HI_ONLY = 1: both as hi only. On the H200 (session 6): fwd -7 %, bwd -2 %, o vs FP64 2.4e-3 ->
+//                         2.9e-3, but segmentations and KCP pieces then disagree by 1.7-2.9e-3 (bound 1e-3).
+//   KDA_WALK_VN_HI_ONLY = 1: V_new (dV_new in the reverse walk) as hi only in the rank-16 update, S kept
+//                         hi + lo (not run on a GPU).
 #ifndef KDA_WALK_HI_ONLY
 #define KDA_WALK_HI_ONLY 0
 #endif
-constexpr bool kWalkLo = !KDA_WALK_HI_ONLY;  // the lo halves of S and V_new enter the walks' products
+#ifndef KDA_WALK_VN_HI_ONLY
+#define KDA_WALK_VN_HI_ONLY 0
+#endif
+constexpr bool kWalkSLo = !KDA_WALK_HI_ONLY;  // S lo enters V_new, O (dV_new)
+// (the V_new test is spelled out in state_tile_rank16: one more constexpr here changes the default's PTX)
 
 // ST from src (fp32 [K][V], null: zero) when FROM_SRC, else the columns of the identity when `identity`
 // (summary from a zero state: the M part starts as I, the offset part as 0).
@@ -61,7 +68,7 @@ __device__ __forceinline__ void state_tile_rank16(float (&ST)[16][4], const uint
     ldb_t<128>(b, B, ks * 16, np * 16, lane);
     mma(ST[2 * np], vh, b[0], b[1]);
     mma(ST[2 * np + 1], vh, b[2], b[3]);
-    if constexpr (kWalkLo) {
+    if constexpr (!KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY) {  // V_new lo enters the rank-16 update
       mma(ST[2 * np], vl, b[0], b[1]);
       mma(ST[2 * np + 1], vl, b[2], b[3]);
     }
@@ -83,7 +90,7 @@ __device__ __forceinline__ void state_tile_mul(float (&acc)[8][4], const float (
       uint32_t b[4];
       ldb<128>(b, B, ks * 16, np * 16, lane);
       mma_n16(acc[2 * np], acc[2 * np + 1], sh, b);
-      if constexpr (kWalkLo) mma_n16(acc[2 * np], acc[2 * np + 1], sl, b);
+      if constexpr (kWalkSLo) mma_n16(acc[2 * np], acc[2 * np + 1], sl, b);
     }
   }
 }

@@ -23,7 +23,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="output root (default: kda_kcp/prebuilt)")
     ap.add_argument("--program", nargs="*", default=None, help="only these programs")
     ap.add_argument("--define", nargs="*", default=(), metavar="NAME=VALUE",
-                    help="extra macros, for an A/B of a compile-time variant (e.g. KDA_WALK_HI_ONLY=1)")
+                    help="extra macros, for an A/B of a compile-time variant (e.g. KDA_WALK_HI_ONLY=1, KDA_WALK_VN_HI_ONLY=1)")
     args = ap.parse_args()
     out_root = Path(args.out) if args.out else Path(jit.__file__).resolve().parent / "prebuilt"
     progs = [p["name"] for p in jit.manifest()["programs"]]

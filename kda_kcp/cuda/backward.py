@@ -6,7 +6,8 @@
 Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writes one 160.5 KiB record
 (W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma; room for dV_new); a forward walk
 per (run, head, 64 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
-walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries; a gradient
+walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries (the two walks,
+with their summaries and folds, run on two streams: ``_both_walks``); a gradient
 kernel per (chunk, head) finishes from the record, h and dh. h and dh hold each state as bf16 hi + lo in
 the walks' register order (``split_state_shape``, ``split_states``). Because the forward walk overwrites U,
 the records of a ``PreparedBackward`` serve one ``grads`` call. Nothing is reduced with atomics: both
@@ -57,6 +58,42 @@ def _prep_warps() -> int:
     """Warps per CTA of the backward prep: 16 (the default; bitwise the same records as 8, and bwd 47.6 ->
     46.8 ms at H = 16, 179.4 -> 176.9 ms at H = 64, NOTES.md session 3) or 8 (``KDA_KCP_BWD_PREP_WARPS=8``)."""
     return _warps("KDA_KCP_BWD_PREP_WARPS", 16)
+
+
+def _walk_streams() -> bool:
+    """Whether the two walk chains run on two streams (the default; ``KDA_KCP_BWD_WALK_STREAMS=0`` runs them
+    one after the other on the current stream, for A/Bs)."""
+    v = os.environ.get("KDA_KCP_BWD_WALK_STREAMS", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"KDA_KCP_BWD_WALK_STREAMS must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _both_walks(rev_chain, fwd_chain, device) -> None:
+    """Run the reverse chain (dh, dV_new) on the current stream and the forward chain (h, V_new) on a side
+    stream, joined before returning. They are independent: the reverse recursion of dS never reads S, the
+    reverse walk reads the records' W, Kg, Qg, Aqk, gamma and writes dV_new and dh, the forward walk reads
+    W, Kg, U, gamma and writes V_new (over U) and h. Each kernel's result is the same whatever the overlap,
+    so the backward stays bitwise repeatable. A CTA of each does not fit on one SM (shared memory): the
+    overlap is in the passes' tails and between the segmented chains' summaries and folds (NOTES.md,
+    session 6, has the A/B and why the gain is small: the walks are bound by their DRAM traffic)."""
+    if torch.device(device).type != "cuda" or not _walk_streams():  # (the CPU emulation of the kernels)
+        rev_chain()
+        fwd_chain()
+        return
+    main = torch.cuda.current_stream(device)
+    idx = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(idx)
+    if side is None:
+        side = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=device)
+    side.wait_stream(main)  # the records, states and buffers made so far
+    rev_chain()
+    with torch.cuda.stream(side):
+        fwd_chain()
+    main.wait_stream(side)  # buffers used on the side stream are freed (or reused) on main only after this
 
 
 def load(device=None):
@@ -401,21 +438,30 @@ class PreparedBackward:
         h = arena.empty(split_state_shape(nc, H), torch.bfloat16)
         dh = arena.empty(split_state_shape(nc, H), torch.bfloat16)
         st = _seg_tables(self.plan, H, self.dev)
-        ffold, rfold = e0, e0
+        # every buffer of both chains is carved here, on the current stream, before the fork
+        ffold = rfold = e0
         if st.num_sum_f:
             m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
             e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
-            mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
-            mod.merge_fold(m, e, st.fchains, sin, ffold)
-        mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
         if st.num_sum_r:
             mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
-            mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
-            mod.merge_fold(mt, f, st.rchains, dso, rfold)
-        mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
+
+        def fwd_chain():
+            if st.num_sum_f:
+                mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
+                mod.merge_fold(m, e, st.fchains, sin, ffold)
+            mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
+
+        def rev_chain():
+            if st.num_sum_r:
+                mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
+                mod.merge_fold(mt, f, st.rchains, dso, rfold)
+            mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
+
+        _both_walks(rev_chain, fwd_chain, self.dev)
         mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
         return grads
 
@@ -470,8 +516,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     for p in lean:
         prep, h, dh = views(p)
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
-        mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h)
-        mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh)
+        _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh),
+                    lambda: mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h), dev)
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())
 
 

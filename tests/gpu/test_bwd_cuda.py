@@ -197,6 +197,34 @@ def test_segmentations_agree(monkeypatch):
             assert d <= 1e-3
 
 
+@pytest.mark.parametrize("seg", ["0", "3", ""])
+def test_walks_on_two_streams_bitwise(seg, monkeypatch):
+    """The backward's forward and reverse walk chains on two streams (the default) against one stream
+    (KDA_KCP_BWD_WALK_STREAMS=0): every gradient bitwise equal, for whole runs, 3-chunk segments (summaries
+    and folds on both streams) and the model's choice, with incoming states and outgoing gradients; the
+    lean backward (2 passes) too."""
+    gen = torch.Generator().manual_seed(SEED + 19)
+    cu = random_docs(9000, gen)
+    inputs, do = make_inputs(cu[-1], 4, gen)
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
+    plan = local_plan(cu)
+    R = plan.num_runs
+    sin = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
+    dso = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
+    monkeypatch.setenv("KDA_KCP_BWD_WALK_STREAMS", "0")
+    one = run_bwd(inputs, do, plan, sin, dso)
+    monkeypatch.setenv("KDA_KCP_BWD_WALK_STREAMS", "1")
+    two = run_bwd(inputs, do, plan, sin, dso)
+    q, _, _, g, beta = inputs
+    poison_like(q, q, q, g, beta)
+    lean = cb.bwd_grads(*inputs, do, SCALE, plan, sin, dso, True, passes=2)
+    for name, a, b, c in zip(NAMES, two, one, lean):
+        assert torch.isfinite(a.float()).all(), name
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: two streams != one stream"
+        assert torch.equal(c.view(torch.uint8), b.view(torch.uint8)), f"{name}: lean (2 passes) != one stream"
+    print(f"walks on two streams (segments {seg or 'auto'}): bitwise equal to one stream and to the lean path")
+
+
 def test_summaries_match_torch_backend():
     gen = torch.Generator().manual_seed(SEED + 17)
     cu = [0, 900, 1000, 3000]
