@@ -78,8 +78,8 @@ def _both_walks(rev_chain, fwd_chain, device) -> None:
     reverse walk reads the records' W, Kg, Qg, Aqk, gamma and writes dV_new and dh, the forward walk reads
     W, Kg, U, gamma and writes V_new (over U) and h. Each kernel's result is the same whatever the overlap,
     so the backward stays bitwise repeatable. A CTA of each does not fit on one SM (shared memory): the
-    overlap is in the passes' tails and between the segmented chains' summaries and folds (NOTES.md,
-    session 6, has the A/B and why the gain is small: the walks are bound by their DRAM traffic)."""
+    overlap is between the segmented chains' summaries, folds and walks (bwd at H = 4: -0.21 ms); whole-run
+    walks (H >= 16) gain nothing (NOTES.md, session 6: the walks are close to their DRAM time)."""
     if torch.device(device).type != "cuda" or not _walk_streams():  # (the CPU emulation of the kernels)
         rev_chain()
         fwd_chain()
