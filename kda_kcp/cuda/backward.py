@@ -79,7 +79,7 @@ def _both_walks(rev_chain, fwd_chain, device) -> None:
     W, Kg, U, gamma and writes V_new (over U) and h. Each kernel's result is the same whatever the overlap,
     so the backward stays bitwise repeatable. A CTA of each does not fit on one SM (shared memory): the
     overlap is between the segmented chains' summaries, folds and walks (bwd at H = 4: -0.21 ms); whole-run
-    walks (H >= 16) gain nothing (NOTES.md, session 6: the walks are close to their DRAM time)."""
+    walks (H >= 16), one CTA per SM each, gain nothing (NOTES.md, session 6)."""
     if torch.device(device).type != "cuda" or not _walk_streams():  # (the CPU emulation of the kernels)
         rev_chain()
         fwd_chain()
