@@ -20,6 +20,20 @@ import kda_kcp  # noqa: E402
 DOCS = (42024, 57573, 73122, 88673)
 
 
+def step_inputs(docs, H, dev):
+    """Offsets cu and q, k, v, g, beta of a packed batch of ``docs`` (the benchmark's distributions)."""
+    cu = [0]
+    for n in docs:
+        cu.append(cu[-1] + n)
+    T = cu[-1]
+    q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16()
+    v = torch.randn(T, H, 128, device=dev).bfloat16()
+    g = F.logsigmoid(2 + 1.5 * torch.randn(T, H, 128, device=dev)).clamp_min(-5)
+    beta = torch.sigmoid(torch.randn(T, H, device=dev)).bfloat16()
+    return cu, q, k, v, g, beta
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--heads", type=int, default=16)
@@ -27,15 +41,9 @@ def main():
     p.add_argument("--docs", nargs="+", type=int, default=list(DOCS), help="document lengths")
     args = p.parse_args()
     dev, H = torch.device("cuda"), args.heads
-    cu = [0]
-    for n in args.docs:
-        cu.append(cu[-1] + n)
+    cu, *inputs = step_inputs(args.docs, H, dev)
+    q, k, v, g, beta = (x.requires_grad_() for x in inputs)
     T = cu[-1]
-    q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16().requires_grad_()
-    k = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16().requires_grad_()
-    v = torch.randn(T, H, 128, device=dev).bfloat16().requires_grad_()
-    g = F.logsigmoid(2 + 1.5 * torch.randn(T, H, 128, device=dev)).clamp_min(-5).requires_grad_()
-    beta = torch.sigmoid(torch.randn(T, H, device=dev)).bfloat16().requires_grad_()
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
     o = kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=bool(args.deterministic))
     torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o))

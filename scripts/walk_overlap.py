@@ -13,13 +13,11 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kda_kcp.cuda import backward as cb  # noqa: E402
 from kda_kcp.plan import LocalPlan, build_plan  # noqa: E402
-
-DOCS = (42024, 57573, 73122, 88673)
+from profile_step import DOCS, step_inputs  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 
 def main():
@@ -28,15 +26,8 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
     dev, H = torch.device("cuda"), args.heads
-    cu = [0]
-    for n in DOCS:
-        cu.append(cu[-1] + n)
+    cu, q, k, v, g, beta = step_inputs(DOCS, H, dev)
     T = cu[-1]
-    q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16()
-    v = torch.randn(T, H, 128, device=dev).bfloat16()
-    g = F.logsigmoid(2 + 1.5 * torch.randn(T, H, 128, device=dev)).clamp_min(-5)
-    beta = torch.sigmoid(torch.randn(T, H, device=dev)).bfloat16()
     do = torch.randn(T, H, 128, device=dev).bfloat16()
     plan = LocalPlan(T, build_plan(cu, [[(0, T)]]).rank_runs[0])  # one rank, every run a whole document
     chunks, runs = cb._tables(plan, dev)

@@ -85,10 +85,9 @@ def _both_walks(rev_chain, fwd_chain, device) -> None:
         fwd_chain()
         return
     main = torch.cuda.current_stream(device)
-    idx = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
-    side = _SIDE_STREAMS.get(idx)
+    side = _SIDE_STREAMS.get(main.device)
     if side is None:
-        side = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=device)
+        side = _SIDE_STREAMS[main.device] = torch.cuda.Stream(device=main.device)
     side.wait_stream(main)  # the records, states and buffers made so far
     rev_chain()
     with torch.cuda.stream(side):
