@@ -5,10 +5,10 @@
 //                                          cores, A = (I + L)^-1 in FP32 (blocked substitution), W, U, Kg,
 //                                          s Qg, gamma -> one record per chunk-head in the workspace.
 //   fwd_walk_kernel  (run, head, 64 cols): S^T in registers (FP32 accumulators), serial over the run's
-//                                          chunks: writes h (state entering each chunk, bf16 hi + lo,
-//                                          kSplitStateBytes) and V_new (bf16 hi + lo, over U in the record).
+//                                          chunks: writes h (state entering each chunk, bf16 hi only,
+//                                          kHiStateBytes) and V_new (bf16 hi + lo, over U in the record).
 //   rev_walk_kernel  (run, head, 64 cols): dS^T in registers, serial from the run's end: writes dh
-//                                          (gradient of the state leaving each chunk, split like h) and dV_new
+//                                          (gradient of the state leaving each chunk, bf16 hi + lo) and dV_new
 //                                          (bf16 hi + lo, into the record), or the backward summary
 //                                          (M^T | F) of a run from a zero dS.
 //   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads)
@@ -455,23 +455,25 @@ __device__ __forceinline__ void store_half_frag(char* half, const uint32_t (&hi)
     st_global_pinned(row + 128, lo[i]);
   }
 }
-// h or dh of one chunk-head, value half z (`half` = the chunk-head's kSplitStateBytes + kSplitHalfBytes z):
-// the warp's 16 value columns x 128 keys as bf16 hi + lo pairs of adjacent keys, each store 128 contiguous
-// bytes (kda_bwd.h). The gradient kernel reads them with stage_states.
-__device__ __forceinline__ void store_state_split(char* half, const float (&ST)[16][4], int warp, int lane) {
+// h or dh of one chunk-head, value half z (`half` = the chunk-head's state + its half's offset): the warp's 16
+// value columns x 128 keys as bf16 hi (+ lo when LO) pairs of adjacent keys, each store 128 contiguous bytes
+// (kda_bwd.h: h is hi only, dh hi + lo). The gradient kernel reads them with stage_states.
+template <bool LO>
+__device__ __forceinline__ void store_state(char* half, const float (&ST)[16][4], int warp, int lane) {
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
     for (int eh = 0; eh < 2; ++eh) {
       uint32_t hi, lo;
       split2(ST[nt][2 * eh], ST[nt][2 * eh + 1], hi, lo);
-      char* p = half + (2 * (16 * warp + nt) + eh) * 256 + 4 * lane;
+      char* p = half + (2 * (16 * warp + nt) + eh) * (LO ? 256 : 128) + 4 * lane;
       st_global_pinned(p, hi);
-      st_global_pinned(p + 128, lo);
+      if constexpr (LO) st_global_pinned(p + 128, lo);
     }
 }
-__device__ __forceinline__ char* split_state(char* base, int c, int h, int H, int col0) {
-  return base + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes + kSplitHalfBytes * (col0 / 64);
+// chunk-head c, h of a state array of `bytes` per chunk-head whose value halves are `half_bytes` apart
+__device__ __forceinline__ char* state_half(char* base, int c, int h, int H, int col0, int bytes, int half_bytes) {
+  return base + (static_cast<int64_t>(c) * H + h) * bytes + half_bytes * (col0 / 64);
 }
 
 __device__ __forceinline__ char* half_slot(const Args& a, int c, int h, int slot, int col0) {
@@ -543,7 +545,7 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
     const float* sGam = reinterpret_cast<const float*>(st + FW_GAM);
     // h of this chunk: the state entering it
     if constexpr (!SUMMARY) {
-      store_state_split(split_state(a.h, first + j, h, H, col0), ST, warp, lane);
+      store_state<false>(state_half(a.h, first + j, h, H, col0, kHiStateBytes, kHiHalfBytes), ST, warp, lane);
     }
     // V_new^T = U^T - S^T W^T
     float VN[8][4];
@@ -634,7 +636,7 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     const bf16* sDO = reinterpret_cast<const bf16*>(st + RW_DO);
     const float* sGam = reinterpret_cast<const float*>(st + RW_GAM);
     if constexpr (!SUMMARY) {
-      store_state_split(split_state(a.dh, first + j, h, H, col0), ST, warp, lane);
+      store_state<true>(state_half(a.dh, first + j, h, H, col0, kSplitStateBytes, kSplitHalfBytes), ST, warp, lane);
     }
     // dV_new^T = dO^T Aqk + dS^T Kg^T
     float DV[8][4];
@@ -705,8 +707,8 @@ constexpr int A_DO = 0;
 constexpr int A_V = 65536;
 constexpr int A_AH = 81920;   // kept through phase B
 constexpr int A_AL = 90112;
-constexpr int A_SH = 98304;   // S^T, dS^T hi / lo of the value half: bf16 sw128 [64][128]
-constexpr int A_SL = 114688;
+constexpr int A_SH = 98304;   // S^T hi, dS^T hi / lo of the value half: bf16 sw128 [64][128]
+constexpr int A_SL = 114688;  // (S^T lo: h holds no lo half; free unless KDA_BWD_SPLIT bit 0, refused below)
 constexpr int A_DH = 131072;
 constexpr int A_DL = 147456;
 constexpr int A_DGP = 196608; // fp32 [NT][8] dgamma partials (phase A)
@@ -772,11 +774,12 @@ constexpr bool kSD = (KDA_BWD_SPLIT >> 3) & 1;
 constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
 constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
 
-// Value half z of S and dS from the split states h, dh (kda_bwd.h) into the swizzled S^T, dS^T tiles [value
-// column 64][key 128] (hi and lo each), through registers: a 16-byte piece holds 8 adjacent keys of one value
-// column, copied as is (no conversion), and its S o dS products go into the thread's dgamma partials of those
-// keys. Every piece a thread moves has key block nt = (tid / 16) % 16: its 8 partials (summed over both halves)
-// stay in shared memory at `mine` (registers are short during the products that follow).
+// Value half z of S (hi, from h) and dS (hi + lo, from dh) (kda_bwd.h) into the swizzled S^T, dS^T tiles [value
+// column 64][key 128], through registers: a 16-byte piece holds 8 adjacent keys of one value column, copied as
+// is (no conversion), and its S o dS products go into the thread's dgamma partials of those keys. Every piece a
+// thread moves has key block nt = (tid / 16) % 16: its 8 partials (summed over both halves) stay in shared
+// memory at `mine` (registers are short during the products that follow).
+static_assert(!kSS, "h holds S as hi only: the products take S hi (KDA_BWD_SPLIT bit 0 off)");
 template <int NT>
 __device__ __forceinline__ void stage_states(char* smem, const char* S, const char* dS, int z, int tid, float* mine) {
   static_assert((C * 16) % NT == 0, "whole pieces per thread");
@@ -785,21 +788,21 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
   for (int k = 0; k < C * 16 / NT; ++k) {
     const int p = tid + k * NT, u = p >> 3, g4 = p & 7;
     const int w = u >> 5, nt = (u >> 1) & 15, eh = u & 1;
-    const int off = kSplitHalfBytes * z + (2 * (16 * w + nt) + eh) * 256 + 16 * g4;
-    const uint4 sh = *reinterpret_cast<const uint4*>(S + off), sl = *reinterpret_cast<const uint4*>(S + off + 128);
+    const int row = 2 * (16 * w + nt) + eh;
+    const uint4 sh = *reinterpret_cast<const uint4*>(S + kHiHalfBytes * z + row * 128 + 16 * g4);
+    const int off = kSplitHalfBytes * z + row * 256 + 16 * g4;
     const uint4 th = *reinterpret_cast<const uint4*>(dS + off), tl = *reinterpret_cast<const uint4*>(dS + off + 128);
     const int so = 2 * sw128(16 * w + g4 + 8 * eh, 8 * nt);  // bytes
     *reinterpret_cast<uint4*>(smem + A_SH + so) = sh;
-    *reinterpret_cast<uint4*>(smem + A_SL + so) = sl;
     *reinterpret_cast<uint4*>(smem + A_DH + so) = th;
     *reinterpret_cast<uint4*>(smem + A_DL + so) = tl;
-    const uint32_t a[4] = {sh.x, sh.y, sh.z, sh.w}, b[4] = {sl.x, sl.y, sl.z, sl.w};
+    const uint32_t a[4] = {sh.x, sh.y, sh.z, sh.w};
     const uint32_t c[4] = {th.x, th.y, th.z, th.w}, d[4] = {tl.x, tl.y, tl.z, tl.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 s0 = bf2_to_f2(a[i]), s1 = bf2_to_f2(b[i]), t0 = bf2_to_f2(c[i]), t1 = bf2_to_f2(d[i]);
-      dg[2 * i] = fmaf(s0.x + s1.x, t0.x + t1.x, dg[2 * i]);
-      dg[2 * i + 1] = fmaf(s0.y + s1.y, t0.y + t1.y, dg[2 * i + 1]);
+      const float2 s0 = bf2_to_f2(a[i]), t0 = bf2_to_f2(c[i]), t1 = bf2_to_f2(d[i]);
+      dg[2 * i] = fmaf(s0.x, t0.x + t1.x, dg[2 * i]);
+      dg[2 * i + 1] = fmaf(s0.y, t0.y + t1.y, dg[2 * i + 1]);
     }
   }
 #pragma unroll
@@ -819,7 +822,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   const int64_t base = (tok * H + h) * D;
   const char* rec = a.prep + (static_cast<int64_t>(c) * H + h) * kPrepBytes;
   const float* gP = reinterpret_cast<const float*>(rec + kRecP);
-  const char* Sg = a.h + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes;
+  const char* Sg = a.h + (static_cast<int64_t>(c) * H + h) * kHiStateBytes;
   const char* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes;
 
   auto B16 = [&](int off) { return reinterpret_cast<bf16*>(smem + off); };

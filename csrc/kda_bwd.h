@@ -1,7 +1,7 @@
 // Host launchers of the backward kernels (kda_bwd.cu). All pointers are device pointers; nothing here
 // allocates. Layouts: q, k, v, do, dq, dk, dv [T, H, 128] bf16; g, dg [T, H, 128] fp32; beta, dbeta
-// [T, H] bf16; states and their gradients [n, H, 128, 128] fp32 indexed [.., key, value], except h and dh
-// (kSplitStateBytes below).
+// [T, H] bf16; states and their gradients [n, H, 128, 128] fp32 indexed [.., key, value], except h
+// (kHiStateBytes below) and dh (kSplitStateBytes).
 //
 // Tables (int32): chunks [Nc][2] = (first token, rows); walk rows [n][4] = (first chunk row, chunk count,
 // idx, src): the state enters from fold[idx] when src == 1, else from state_in / dstate_out[idx]
@@ -46,6 +46,11 @@ constexpr int kWalkRowBytes = 512;
 // words (lane 4 g + l: keys 8 nt + 2 l, + 1 of value column 64 z + 16 w + 8 eh + g; hl 0 hi, 1 lo).
 constexpr int kSplitStateBytes = 65536;
 constexpr int kSplitHalfBytes = 32768;
+// h holds S as bf16 hi only, the same order without the lo words (32 KiB per chunk-head): at byte 16384 z +
+// 128 (2 (16 w + nt) + eh) the 32 lanes' hi words. The gradient kernel's products take S as hi only
+// (KDA_BWD_SPLIT bit 0 off) and dgamma takes S hi x (dS hi + lo); dS keeps its lo half (bit 6: dKg needs it).
+constexpr int kHiStateBytes = 32768;
+constexpr int kHiHalfBytes = 16384;
 
 struct Args {
   const void* q;
@@ -61,7 +66,7 @@ struct Args {
   int H;
   float scale;
   char* prep;               // [Nc * H * kPrepBytes]
-  char* h;                  // [Nc, H] x kSplitStateBytes: state entering each chunk (split, below)
+  char* h;                  // [Nc, H] x kHiStateBytes: state entering each chunk (hi only, below)
   char* dh;                 // [Nc, H] x kSplitStateBytes: gradient of the state leaving each chunk
   const float* state_in;    // [*, H, K, V] or null
   const float* dstate_out;  // [*, H, K, V] or null

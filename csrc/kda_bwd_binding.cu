@@ -53,14 +53,15 @@ B::Args base_args(const TensorView& chunks, const TensorView& runs, int64_t H, T
   return a;
 }
 
-// h or dh: bf16 [Nc, H, 2, 128, 128], the bytes of the split state of every chunk-head (kda_bwd.h)
-char* check_split_state(const TensorView& t, const char* name, int64_t nchunks, int64_t H, int dev) {
+// dh: bf16 [Nc, H, 2, 128, 128], the bytes of the split state of every chunk-head; h: bf16 [Nc, H, 128, 128],
+// the state as hi only (kda_bwd.h)
+char* check_state(const TensorView& t, const char* name, int64_t nchunks, int64_t H, bool split, int dev) {
   check_cuda(t, name, dev);
   TVM_FFI_CHECK(is_dtype(t, kDLBfloat, 16), TypeError) << name << " must be bfloat16";
-  TVM_FFI_CHECK(t.ndim() == 5 && t.size(0) == nchunks && t.size(1) == H && t.size(2) == 2 && t.size(3) == kD &&
-                    t.size(4) == kD,
-                ValueError)
-      << name << " must be [Nc, H, 2, 128, 128]";
+  const int nd = split ? 5 : 4;
+  bool ok = t.ndim() == nd && t.size(0) == nchunks && t.size(1) == H && t.size(nd - 2) == kD && t.size(nd - 1) == kD;
+  if (split) ok = ok && t.size(2) == 2;
+  TVM_FFI_CHECK(ok, ValueError) << name << (split ? " must be [Nc, H, 2, 128, 128]" : " must be [Nc, H, 128, 128]");
   return static_cast<char*>(t.data_ptr());
 }
 
@@ -109,14 +110,14 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
   raise_on(B::launch_prep(a, static_cast<int>(warps), stream_of(q)), "kda bwd_prep launch");
 }
 
-// h[c] = state entering chunk c (split, kda_bwd.h) of every walk row (first chunk, count, idx, src): from
+// h[c] = state entering chunk c (bf16 hi only, kda_bwd.h) of every walk row (first chunk, count, idx, src): from
 // fold[idx] when src == 1, else state_in[idx] (numel 0 = zeros).
 void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView fold,
                   TensorView h) {
   const int dev = prep.device().device_id;
-  TVM_FFI_CHECK(h.ndim() == 5, ValueError) << "h must be [Nc, H, 2, 128, 128]";
+  TVM_FFI_CHECK(h.ndim() == 4, ValueError) << "h must be [Nc, H, 128, 128]";
   const int64_t H = h.size(1);
-  char* hp = check_split_state(h, "h", chunks.size(0), H, dev);
+  char* hp = check_state(h, "h", chunks.size(0), H, false, dev);
   B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
   a.h = hp;
   a.state_in = optional_state(state_in, "state_in", H, dev);
@@ -124,14 +125,14 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
   raise_on(B::launch_fwd_walk(a, stream_of(h)), "kda bwd_fwd_walk launch");
 }
 
-// dh[c] = gradient of the state leaving chunk c (split, kda_bwd.h), walking every run from its end
+// dh[c] = gradient of the state leaving chunk c (bf16 hi + lo, kda_bwd.h), walking every run from its end
 // (dstate_out or zero).
 void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
                   TensorView fold, TensorView dh) {
   const int dev = prep.device().device_id;
   TVM_FFI_CHECK(dh.ndim() == 5, ValueError) << "dh must be [Nc, H, 2, 128, 128]";
   const int64_t H = dh.size(1);
-  char* dhp = check_split_state(dh, "dh", chunks.size(0), H, dev);
+  char* dhp = check_state(dh, "dh", chunks.size(0), H, true, dev);
   check_dout(dout, H, dev);
   B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
   a.dout = dout.data_ptr();
@@ -186,8 +187,8 @@ void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorVie
   check_tok(dg, "dg", T, H, kDLFloat, 32, dev);
   check_beta(dbeta, "dbeta", T, H, dev);
   check_table(chunks, "chunk table", 2, dev);
-  char* hp = check_split_state(h, "h", chunks.size(0), H, dev);
-  char* dhp = check_split_state(dh, "dh", chunks.size(0), H, dev);
+  char* hp = check_state(h, "h", chunks.size(0), H, false, dev);
+  char* dhp = check_state(dh, "dh", chunks.size(0), H, true, dev);
   check_prep(prep, chunks.size(0), H, dev);
   B::Args a = chunk_args(chunks, prep, H, q, k, v, g, beta, scale);
   a.dout = dout.data_ptr();

@@ -32,8 +32,8 @@ def main():
     plan = LocalPlan(T, build_plan(cu, [[(0, T)]]).rank_runs[0])  # one rank, every run a whole document
     chunks, runs = cb._tables(plan, dev)
     nc = chunks.shape[0]
-    h = torch.empty(cb.split_state_shape(nc, H), dtype=torch.bfloat16, device=dev)
-    dh = torch.empty_like(h)
+    h = torch.empty(cb.hi_state_shape(nc, H), dtype=torch.bfloat16, device=dev)
+    dh = torch.empty(cb.split_state_shape(nc, H), dtype=torch.bfloat16, device=dev)
     e0 = torch.empty(0, device=dev)
 
     def run(which):

@@ -149,14 +149,14 @@ def test_records_walks_and_summaries(emu):
     m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
     assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e)) == 0
     assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f)) == 0
-    h = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full_like(h, float("nan"))
+    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
     assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h)) == 0
     assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh)) == 0
     vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
     vn_ref = U - W @ h_ref
     dvn_ref = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
-    h, dh = cb.split_states(h), cb.split_states(dh)
+    h, dh = cb.hi_states(h), cb.split_states(dh)
     for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("M", m, m_ref), ("E", e, e_ref), ("Mt", mt, mt_ref),
                        ("F", f, f_ref), ("V_new", vn, vn_ref), ("dV_new", dvn, dvn_ref)):
         err = _rel(x, r)
@@ -172,8 +172,8 @@ def test_gradient_kernel(emu):
     H, R = 2, plan.num_runs
     chunks, runs, prep = _prep(emu, plan, inputs)
     nc = chunks.shape[0]
-    h = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full_like(h, float("nan"))
+    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
     assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h)) == 0
     assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh)) == 0
     ref = TorchBackend().bwd_grads(*inputs, do, SCALE, plan, None, None)

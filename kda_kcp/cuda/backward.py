@@ -8,8 +8,9 @@ Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writ
 per (run, head, 64 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
 walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries (the two walks,
 with their summaries and folds, run on two streams: ``_both_walks``); a gradient
-kernel per (chunk, head) finishes from the record, h and dh. h and dh hold each state as bf16 hi + lo in
-the walks' register order (``split_state_shape``, ``split_states``). Because the forward walk overwrites U,
+kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as bf16
+hi + lo, in the walks' register order (``hi_state_shape``, ``hi_states``, ``split_state_shape``,
+``split_states``). Because the forward walk overwrites U,
 the records of a ``PreparedBackward`` serve one ``grads`` call. Nothing is reduced with atomics: both
 packages run the same kernels and the result is bitwise repeatable; ``deterministic`` is accepted for
 either value.
@@ -309,10 +310,10 @@ def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -
     H = num_heads
     st = _seg_tables(plan, H, device)
     if passes is None:
-        n = 2 * state_bytes(plan.num_chunks, H)
+        n = hi_state_bytes(plan.num_chunks, H) + split_state_bytes(plan.num_chunks, H)
     else:
         nc = max((p.num_chunks for p in _lean_passes(plan, H, device, passes)), default=0)
-        n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + 2 * state_bytes(nc, H)
+        n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + hi_state_bytes(nc, H) + split_state_bytes(nc, H)
     if st.num_sum_f:  # summaries M, E and their fold
         n += 2 * state_bytes(st.num_sum_f, H) + state_bytes(st.num_fold_f, H)
     if st.num_sum_r:
@@ -329,6 +330,23 @@ def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = No
         nc = sum(plan.runs[r].num_chunks(plan.chunk_size) for r in run_ids)
         n += tensor_bytes((nc * num_heads * PREP_BYTES,), torch.uint8)
     return n
+
+
+def hi_state_shape(n: int, H: int) -> tuple:
+    """Shape of h: bf16 [n, H, 128, 128], the state entering each chunk as bf16 hi only in the walks' fragment
+    order (kda_bwd.h kHiStateBytes; ``hi_states``): the gradient kernel's products read S as hi only, and its
+    dgamma takes S hi times dS hi + lo."""
+    return (n, H, _D, _D)
+
+
+def hi_state_bytes(n: int, H: int) -> int:
+    """Arena bytes of h for n chunks."""
+    return tensor_bytes(hi_state_shape(n, H), torch.bfloat16)
+
+
+def split_state_bytes(n: int, H: int) -> int:
+    """Arena bytes of dh for n chunks."""
+    return tensor_bytes(split_state_shape(n, H), torch.bfloat16)
 
 
 def split_state_shape(n: int, H: int) -> tuple:
@@ -355,6 +373,14 @@ def split_states(x: torch.Tensor) -> torch.Tensor:
     (4 g + l) of two adjacent keys 8 nt + 2 l (+1) of value column 64 z + 16 w + 8 eh + g."""
     n, H = x.shape[:2]
     y = x.contiguous().view(torch.bfloat16).float().reshape(n, H, 2, 4, 16, 2, 2, 8, 4, 2).sum(6)
+    return y.permute(0, 1, 4, 7, 8, 2, 3, 5, 6).reshape(n, H, _D, _D)  # [n, H, (nt, l, e), (z, w, eh, g)]
+
+
+def hi_states(x: torch.Tensor) -> torch.Tensor:
+    """The states S[key][value] as fp32 [n, H, 128, 128] from h (``hi_state_shape``, for tests and diagnostics):
+    the order of ``split_states`` without the lo words."""
+    n, H = x.shape[:2]
+    y = x.contiguous().view(torch.bfloat16).float().reshape(n, H, 2, 4, 16, 2, 8, 4, 2)
     return y.permute(0, 1, 4, 7, 8, 2, 3, 5, 6).reshape(n, H, _D, _D)  # [n, H, (nt, l, e), (z, w, eh, g)]
 
 
@@ -434,7 +460,7 @@ class PreparedBackward:
         dq, dk, dv, dg, dbeta = grads
         chunks, _ = _tables(self.plan, self.dev)
         nc, prep = chunks.shape[0], self.prep
-        h = arena.empty(split_state_shape(nc, H), torch.bfloat16)
+        h = arena.empty(hi_state_shape(nc, H), torch.bfloat16)
         dh = arena.empty(split_state_shape(nc, H), torch.bfloat16)
         st = _seg_tables(self.plan, H, self.dev)
         # every buffer of both chains is carved here, on the current stream, before the fork
@@ -480,7 +506,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     lean = _lean_passes(plan, H, dev, passes)
     ncmax = max(p.num_chunks for p in lean)
     prep_all = arena.empty((ncmax * H * PREP_BYTES,), torch.uint8)
-    h_all = arena.empty(split_state_shape(ncmax, H), torch.bfloat16)
+    h_all = arena.empty(hi_state_shape(ncmax, H), torch.bfloat16)
     dh_all = arena.empty(split_state_shape(ncmax, H), torch.bfloat16)
 
     def views(p):  # exact-size buffers of one pass

@@ -62,8 +62,8 @@ def test_stages_match_torch_stages():
     chunks, runs = cb._tables(plan, DEV)
     nc = chunks.shape[0]
     prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8, device=DEV)
-    h = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-    dh = torch.full_like(h, float("nan"))
+    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
     e0 = torch.empty(0, device=DEV)
     mod.bwd_prep(*inputs, chunks, prep, SCALE, 8)
     prep16 = torch.full_like(prep, 255)
@@ -109,7 +109,7 @@ def test_stages_match_torch_stages():
     dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, None)
     Vn = U - W @ h_ref
     dVn = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
-    h, dh = cb.split_states(h), cb.split_states(dh)
+    h, dh = cb.hi_states(h), cb.split_states(dh)
     for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("V_new", vn, Vn), ("dV_new", dvn, dVn)):
         e = rel(x, r)
         print(f"stage walk {name}: rel vs torch-fp32 {e:.3e}")
