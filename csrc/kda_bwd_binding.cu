@@ -55,7 +55,7 @@ B::Args base_args(const TensorView& chunks, const TensorView& runs, int64_t H, T
 
 // dh: bf16 [Nc, H, 2, 128, 128], the bytes of the split state of every chunk-head; h: bf16 [Nc, H, 128, 128],
 // the state as hi only (kda_bwd.h)
-char* check_state(const TensorView& t, const char* name, int64_t nchunks, int64_t H, bool split, int dev) {
+char* check_walk_state(const TensorView& t, const char* name, int64_t nchunks, int64_t H, bool split, int dev) {
   check_cuda(t, name, dev);
   TVM_FFI_CHECK(is_dtype(t, kDLBfloat, 16), TypeError) << name << " must be bfloat16";
   const int nd = split ? 5 : 4;
@@ -117,7 +117,7 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
   const int dev = prep.device().device_id;
   TVM_FFI_CHECK(h.ndim() == 4, ValueError) << "h must be [Nc, H, 128, 128]";
   const int64_t H = h.size(1);
-  char* hp = check_state(h, "h", chunks.size(0), H, false, dev);
+  char* hp = check_walk_state(h, "h", chunks.size(0), H, false, dev);
   B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
   a.h = hp;
   a.state_in = optional_state(state_in, "state_in", H, dev);
@@ -132,7 +132,7 @@ void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorVie
   const int dev = prep.device().device_id;
   TVM_FFI_CHECK(dh.ndim() == 5, ValueError) << "dh must be [Nc, H, 2, 128, 128]";
   const int64_t H = dh.size(1);
-  char* dhp = check_state(dh, "dh", chunks.size(0), H, true, dev);
+  char* dhp = check_walk_state(dh, "dh", chunks.size(0), H, true, dev);
   check_dout(dout, H, dev);
   B::Args a = walk_args(prep, chunks, runs, "run table", H, dev);
   a.dout = dout.data_ptr();
@@ -187,8 +187,8 @@ void bwd_grads(TensorView q, TensorView k, TensorView v, TensorView g, TensorVie
   check_tok(dg, "dg", T, H, kDLFloat, 32, dev);
   check_beta(dbeta, "dbeta", T, H, dev);
   check_table(chunks, "chunk table", 2, dev);
-  char* hp = check_state(h, "h", chunks.size(0), H, false, dev);
-  char* dhp = check_state(dh, "dh", chunks.size(0), H, true, dev);
+  char* hp = check_walk_state(h, "h", chunks.size(0), H, false, dev);
+  char* dhp = check_walk_state(dh, "dh", chunks.size(0), H, true, dev);
   check_prep(prep, chunks.size(0), H, dev);
   B::Args a = chunk_args(chunks, prep, H, q, k, v, g, beta, scale);
   a.dout = dout.data_ptr();
