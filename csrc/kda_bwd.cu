@@ -350,12 +350,28 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const Args a) {
     __syncthreads();
   }
 
-  // ---- A = (I + L)^-1: diagonal blocks by substitution, then off-diagonal blocks by level ----
+  // ---- A = (I + L)^-1: diagonal blocks by substitution (threads 0 .. 63, a serial chain) while the other
+  //      warps form X = K o exp(G) and write Kg, s Qg, gamma to the record; then the off-diagonal blocks by level ----
   for (int p = tid; p < C * C; p += NT) {
     const int r = p >> 6, cc = p & 63;
     if ((cc >> 4) > (r >> 4)) sA[r * LDL + cc] = 0.f;
   }
-  invert_diag_blocks<LDL>(sL, sA, tid);
+  static_assert(P_X >= P_ABL + 8192 && P_X + 16384 <= P_L, "X lies apart from A and L");
+  if (tid < 64) {
+    invert_diag_blocks<LDL>(sL, sA, tid);
+  } else {
+    for (int p = tid - 64; p < C * D / 2; p += NT - 64) {
+      const int r = p >> 6, d = (p & 63) * 2;
+      const float G0 = sG[r * D + d], G1 = sG[r * D + d + 1];
+      const float L0 = sG[63 * D + d], L1 = sG[63 * D + d + 1];
+      const float x0 = fexp(G0), x1 = fexp(G1);
+      const float2 kk = ld2<128>(sK, r, d), qq = ld2<128>(sQ, r, d);
+      *reinterpret_cast<uint32_t*>(sX + sw128(r, d)) = pack_bf16(kk.x * x0, kk.y * x1);
+      *reinterpret_cast<uint32_t*>(gKg + r * D + d) = pack_bf16(kk.x * fexp(L0 - G0), kk.y * fexp(L1 - G1));
+      *reinterpret_cast<uint32_t*>(gQg + r * D + d) = pack_bf16(a.scale * qq.x * x0, a.scale * qq.y * x1);
+      if (r == 63) *reinterpret_cast<float2*>(gGam + d) = make_float2(fexp(L0), fexp(L1));
+    }
+  }
   __syncthreads();
   for (int lev = 1; lev < 4; ++lev) {
     const int np = 4 - lev;
@@ -377,7 +393,7 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const Args a) {
     }
     __syncthreads();
   }
-  // A (hi, lo) to the record; A diag(beta) to shared; X = K o exp(G); Kg, s Qg, gamma to the record
+  // A (hi, lo) to the record; A diag(beta) to shared
   for (int p = tid; p < C * C / 2; p += NT) {
     const int r = p >> 5, cc = (p & 31) * 2;
     const float a0 = sA[r * LDL + cc], a1 = sA[r * LDL + cc + 1];
@@ -386,17 +402,6 @@ __global__ void __launch_bounds__(NT, 1) prep_kernel(const Args a) {
     *reinterpret_cast<uint32_t*>(gAH + r * C + cc) = hi;
     *reinterpret_cast<uint32_t*>(gAL + r * C + cc) = lo;
     st2<64>(sAbh, sAbl, r, cc, a0 * sBeta[cc], a1 * sBeta[cc + 1]);
-  }
-  for (int p = tid; p < C * D / 2; p += NT) {
-    const int r = p >> 6, d = (p & 63) * 2;
-    const float G0 = sG[r * D + d], G1 = sG[r * D + d + 1];
-    const float L0 = sG[63 * D + d], L1 = sG[63 * D + d + 1];
-    const float x0 = fexp(G0), x1 = fexp(G1);
-    const float2 kk = ld2<128>(sK, r, d), qq = ld2<128>(sQ, r, d);
-    *reinterpret_cast<uint32_t*>(sX + sw128(r, d)) = pack_bf16(kk.x * x0, kk.y * x1);
-    *reinterpret_cast<uint32_t*>(gKg + r * D + d) = pack_bf16(kk.x * fexp(L0 - G0), kk.y * fexp(L1 - G1));
-    *reinterpret_cast<uint32_t*>(gQg + r * D + d) = pack_bf16(a.scale * qq.x * x0, a.scale * qq.y * x1);
-    if (r == 63) *reinterpret_cast<float2*>(gGam + d) = make_float2(fexp(L0), fexp(L1));
   }
   __syncthreads();
   {

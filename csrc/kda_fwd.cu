@@ -335,14 +335,17 @@ __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
 
   __syncthreads();  // Qr is read (Qg) before A overwrites it
   // ---- A = (I + L)^-1 in FP32: diagonal blocks (column-oriented substitution), then levels ----
-  invert_diag_blocks<LDL>(sL, sA, tid);
-  __syncthreads();
-#pragma unroll
-  for (int it = 0; it < 4; ++it) {  // staged Qg and Kg to the record in 16-byte pieces (before A diag(beta)
-    const int p = tid + it * PT;    // and the inverse's levels touch shared memory near them)
-    *reinterpret_cast<uint4*>(rec + R_QG + p * 16) = *reinterpret_cast<const uint4*>(smem + P_QGS + p * 16);
-    *reinterpret_cast<uint4*>(rec + R_KG + p * 16) = *reinterpret_cast<const uint4*>(smem + P_KGS + p * 16);
+  // (threads 0 .. 63, a serial chain; meanwhile the other warps copy the staged Qg and Kg to the record in
+  // 16-byte pieces, before A diag(beta) and the inverse's levels touch shared memory near them)
+  if (tid < 64) {
+    invert_diag_blocks<LDL>(sL, sA, tid);
+  } else {
+    for (int p = tid - 64; p < C * D * 2 / 16; p += PT - 64) {
+      *reinterpret_cast<uint4*>(rec + R_QG + p * 16) = *reinterpret_cast<const uint4*>(smem + P_QGS + p * 16);
+      *reinterpret_cast<uint4*>(rec + R_KG + p * 16) = *reinterpret_cast<const uint4*>(smem + P_KGS + p * 16);
+    }
   }
+  __syncthreads();
   inv_level<1>(sL, sA, sPt, tid);
   inv_level<2>(sL, sA, sPt, tid);
   inv_level<3>(sL, sA, sPt, tid);

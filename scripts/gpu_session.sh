@@ -13,7 +13,7 @@
 #   bench2     benchmarks/bench_kda_kcp.py --world ${WORLD2:-2} --heads $HEADS2 (all layouts, arms + fla_cp)
 #   ab         the backward's det arm at H in $HEADS under each value of $AB_VAR in $AB_VALUES (default: the
 #              gradient kernel's warps, KDA_KCP_BWD_GRADS_WARPS = 8 16), no FLA, no oracle
-#   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16
+#   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16 (or each H in $NCU_HEADS)
 #   ncu_src    Nsight Compute, every section and per-instruction stall samples, on the kernels in $NCU_KERNELS
 #              (names joined by |), summed per phase by scripts/stall_regions.py
 #   sanitize   compute-sanitizer memcheck, racecheck, initcheck on one small fwd + bwd (scripts/profile_step.py)
@@ -99,12 +99,15 @@ for st in "$@"; do
           --json "$OUT/ab_$v.json" > "$OUT/ab_$v.log" 2>&1
         add "ab ${AB_VAR:-KDA_KCP_BWD_GRADS_WARPS}=$v rc=$?: $(grep -E '^\| ' "$OUT/ab_$v.log" | tail -4 | tr '\n' ' ')"
       done;;
-    ncu)
-      timeout $(( $(left) - 20 )) ncu --clock-control none --launch-skip 0 --launch-count 12 \
-        --kernel-name-base demangled -k "regex:prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-        python3 scripts/profile_step.py --heads 16 > "$OUT/ncu.log" 2>&1
-      add "ncu rc=$?"; grep -E "^  [a-z_].*\(|Duration|Throughput|Registers|Achieved Occupancy|Block Limit" "$OUT/ncu.log" | head -120;;
+    ncu)  # one fwd + bwd per head count in $NCU_HEADS (default 16) -> $OUT/ncu.log (16) or ncu_h$H.log
+      for nh in ${NCU_HEADS:-16}; do
+        log="$OUT/ncu.log"; [ "$nh" = 16 ] || log="$OUT/ncu_h$nh.log"
+        timeout $(( $(left) - 20 )) ncu --clock-control none --launch-skip 0 --launch-count 12 \
+          --kernel-name-base demangled -k "regex:prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" --section SpeedOfLight --section Occupancy \
+          --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+          python3 scripts/profile_step.py --heads "$nh" > "$log" 2>&1
+        add "ncu H=$nh rc=$?"; grep -E "^  [a-z_].*\(|Duration" "$log" | paste - - | sed -E 's/ +/ /g' | cut -c1-150
+      done;;
     ncu_src)  # the full section set with source-line sampling for the kernels in $NCU_KERNELS (one launch each)
       timeout $(( $(left) - 40 )) ncu --clock-control none --set full --import-source yes \
         --kernel-name-base demangled -k "regex:${NCU_KERNELS:-grads_kernel}" --launch-count ${NCU_COUNT:-1} \

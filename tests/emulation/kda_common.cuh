@@ -1,6 +1,6 @@
 // CPU emulation of csrc/kda_common.cuh: the same helpers with the PTX semantics of ldmatrix (x4, .trans),
 // mma.m16n8k16 (bf16 in, FP32 accumulators; the products summed in FP64, so not bitwise the GPU) and
-// cp.async (a synchronous copy). The kernels themselves are compiled from csrc unchanged.
+// cp.async (deferred to its wait, below). The kernels themselves are compiled from csrc unchanged.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 namespace kda {
 constexpr float kLog2e = 1.4426950408889634f;
 inline float fexp(float x) { return std::exp2(x * kLog2e); }
@@ -98,11 +99,26 @@ template <int RL> inline void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, in
   ldsm4t(b, frag_ptr<RL>(t, k0, n0, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4));
 }
 inline void st_global_pinned(void* p, uint32_t x) { std::memcpy(p, &x, 4); }
+// cp.async with its ordering: a copy lands only when its thread waits for its group (wait_group N leaves the
+// N newest committed groups in flight, wait_all lands everything, uncommitted copies included), so a kernel
+// that reads a tile before waiting for it reads stale shared memory here too. The source is read at issue.
+struct AsyncCopy { void* dst; unsigned char bytes[16]; };
+struct AsyncGroups {
+  std::vector<AsyncCopy> open;                  // issued, not yet committed
+  std::vector<std::vector<AsyncCopy>> pending;  // committed, oldest first
+  static void land(const std::vector<AsyncCopy>& g) { for (const AsyncCopy& c : g) std::memcpy(c.dst, c.bytes, 16); }
+  void wait(std::size_t keep) {
+    while (pending.size() > keep) { land(pending.front()); pending.erase(pending.begin()); }
+  }
+};
+inline thread_local AsyncGroups t_async;
 inline void cp_async16(void* dst, const void* src, bool valid) {
-  if (valid) std::memcpy(dst, src, 16); else std::memset(dst, 0, 16);
+  AsyncCopy c{dst, {}};
+  if (valid) std::memcpy(c.bytes, src, 16);
+  t_async.open.push_back(c);
 }
-inline void cp_async_commit() {}
-inline void cp_async_wait_all() {}
+inline void cp_async_commit() { t_async.pending.push_back(std::move(t_async.open)); t_async.open.clear(); }
+inline void cp_async_wait_all() { cp_async_commit(); t_async.wait(0); }
 inline void mma_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
   mma(d0, a, b[0], b[1]);
   mma(d1, a, b[2], b[3]);
@@ -115,5 +131,5 @@ inline void split_afrag(const float (&t0)[4], const float (&t1)[4], uint32_t (&h
   split2(t1[2], t1[3], hi[3], lo[3]);
 }
 inline void negate_split(uint32_t (&hi)[4], uint32_t (&lo)[4]) { for (int e = 0; e < 4; ++e) { hi[e] ^= 0x80008000u; lo[e] ^= 0x80008000u; } }
-inline void cp_async_wait1() {}
+inline void cp_async_wait1() { t_async.wait(1); }
 }  // namespace kda
