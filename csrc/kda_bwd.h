@@ -82,7 +82,7 @@ struct Args {
   void* dbeta;
 };
 
-cudaError_t launch_prep(const Args& a, int warps, cudaStream_t s);  // warps: 8 or 16 per CTA
+cudaError_t launch_prep(const Args& a, cudaStream_t s);
 cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s);     // writes h
 cudaError_t launch_rev_walk(const Args& a, cudaStream_t s);     // writes dh
 cudaError_t launch_rev_summary(const Args& a, cudaStream_t s);  // writes mt_out, f_out

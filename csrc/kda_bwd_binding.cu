@@ -95,9 +95,9 @@ B::Args chunk_args(const TensorView& chunks, TensorView prep, int64_t H, const T
   return a;
 }
 
-// prep records of every chunk in `chunks` (rows (first token, rows)); warps (8 or 16) per CTA.
+// prep records of every chunk in `chunks` (rows (first token, rows)).
 void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView chunks,
-              TensorView prep, double scale, int64_t warps) {
+              TensorView prep, double scale) {
   const int dev = q.device().device_id;
   TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
   const int64_t T = q.size(0), H = q.size(1);
@@ -105,9 +105,8 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
   check_chunk_inputs(q, k, v, g, beta, T, H, dev);
   check_table(chunks, "chunk table", 2, dev);
   check_prep(prep, chunks.size(0), H, dev);
-  TVM_FFI_CHECK(warps == 8 || warps == 16, ValueError) << "warps must be 8 or 16";
   B::Args a = chunk_args(chunks, prep, H, q, k, v, g, beta, scale);
-  raise_on(B::launch_prep(a, static_cast<int>(warps), stream_of(q)), "kda bwd_prep launch");
+  raise_on(B::launch_prep(a, stream_of(q)), "kda bwd_prep launch");
 }
 
 // h[c] = state entering chunk c (bf16 hi only, kda_bwd.h) of every walk row (first chunk, count, idx, src): from

@@ -110,7 +110,7 @@ def _prep(emu, plan, inputs):
     chunks, runs = cb._tables(plan, "cpu")
     nc = chunks.shape[0]
     prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8)
-    assert emu.e_prep(*map(_p, (q, k, v, g, beta, chunks)), nc, H, ctypes.c_float(SCALE), _p(prep), 16) == 0
+    assert emu.e_prep(*map(_p, (q, k, v, g, beta, chunks)), nc, H, ctypes.c_float(SCALE), _p(prep)) == 0
     return chunks, runs, prep
 
 
@@ -205,9 +205,9 @@ class _Programs:
         assert rc == 0, f"emulated {what} returned {rc}"
 
     # ---- kda_bwd ----
-    def bwd_prep(self, q, k, v, g, beta, chunks, prep, scale, warps):
+    def bwd_prep(self, q, k, v, g, beta, chunks, prep, scale):
         self._ok(self.lib.e_prep(*map(_p, (q, k, v, g, beta, chunks)), chunks.shape[0], q.shape[1],
-                                 ctypes.c_float(scale), _p(prep), warps), "bwd_prep")
+                                 ctypes.c_float(scale), _p(prep)), "bwd_prep")
 
     def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, h):
         self._ok(self.lib.e_fwd_walk(_p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0], h.shape[1],

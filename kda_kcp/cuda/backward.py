@@ -55,12 +55,6 @@ def _grads_warps() -> int:
     return _warps("KDA_KCP_BWD_GRADS_WARPS", 16)
 
 
-def _prep_warps() -> int:
-    """Warps per CTA of the backward prep: 16 (the default; bitwise the same records as 8, and bwd 47.6 ->
-    46.8 ms at H = 16, 179.4 -> 176.9 ms at H = 64, NOTES.md session 3) or 8 (``KDA_KCP_BWD_PREP_WARPS=8``)."""
-    return _warps("KDA_KCP_BWD_PREP_WARPS", 16)
-
-
 def _walk_streams() -> bool:
     """Whether the two walk chains run on two streams (the default; ``KDA_KCP_BWD_WALK_STREAMS=0`` runs them
     one after the other on the current stream, for A/Bs)."""
@@ -422,7 +416,7 @@ class PreparedBackward:
         if self.active and passes is None:
             chunks, _ = _tables(plan, self.dev)
             self.prep = self.arena.empty((chunks.shape[0] * self.H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, self.prep, self.scale, _prep_warps())
+            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, self.prep, self.scale)
 
     def summaries(self, run_ids):
         """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F."""
@@ -436,7 +430,7 @@ class PreparedBackward:
         prep = self.prep
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale, _prep_warps())
+            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale)
         self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F)
         return Mt, F
 
@@ -526,7 +520,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
             if not p.has_summaries:
                 continue
             prep, _, _ = views(p)
-            mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
+            mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
             if p.fsum.shape[0]:
                 mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e)
             if p.rsum.shape[0]:
@@ -540,7 +534,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     dq, dk, dv, dg, dbeta = grads
     for p in lean:
         prep, h, dh = views(p)
-        mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, _prep_warps())
+        mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
         _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh),
                     lambda: mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h), dev)
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())

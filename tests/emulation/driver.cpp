@@ -2,9 +2,9 @@
 #include "kda_bwd.h"
 using namespace kda::bwd;
 extern "C" {
-int e_prep(void* q, void* k, void* v, float* g, void* beta, int32_t* chunks, int nchunks, int H, float scale, char* prep, int warps) {
+int e_prep(void* q, void* k, void* v, float* g, void* beta, int32_t* chunks, int nchunks, int H, float scale, char* prep) {
   Args a{}; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunks = nchunks; a.H = H; a.scale = scale; a.prep = prep;
-  return launch_prep(a, warps, nullptr);
+  return launch_prep(a, nullptr);
 }
 // h, dh: split states (kda_bwd.h kSplitStateBytes)
 int e_fwd_walk(char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* sin, float* fold, char* h) {
