@@ -31,7 +31,6 @@ namespace {
 using bf16 = __nv_bfloat16;
 constexpr int C = 64;
 constexpr int D = 128;
-constexpr int LDL = 68;  // fp32 row stride of the 64x64 L / A tiles in the prep
 
 // ------------------------------------------------------------------------------------------------
 // warp-level GEMM on swizzled bf16 shared tiles:
@@ -222,318 +221,37 @@ __device__ __forceinline__ void cumsum_rows(float* t, int tid) {
 }
 
 // ================================================================================================
-// prep
+// prep (kda_chunk_prep.cuh, the forward's kernel shape) into the backward's record
 // ================================================================================================
-// One CTA of 8 warps per (chunk, head), two CTAs per SM (104 KB of shared memory, <= 128 registers), in the
-// forward prep's shape (kda_fwd.cu): g and k in registers, the anchored L / Aqk blocks by anchor round, L from
-// K_r hi x Cc (hi + lo) (K_r's lo half has no room), Aqk from Q_r x Cc (hi + lo each), V staged only for U.
-// (Session 7 replaced a one-CTA-per-SM prep with Q, K, V, G tiles in shared memory and hi + lo on both sides of
-// L: bwd 40.92 -> 37.82 ms at H = 16, NOTES.md.)
-constexpr int PNT = 256;
-constexpr int P_KR = 0;        // bf16 sw128 K o exp(G - G_anchor)
-constexpr int P_QRH = 16384;   // Q o exp(G - G_anchor) hi
-constexpr int P_QRL = 32768;   //                        lo
-constexpr int P_CCH = 49152;   // Cc_I hi (rows 0 .. 16 I + 15)
-constexpr int P_CCL = 65536;   //      lo
-constexpr int P_AEND = 81920;
-constexpr int P_X = 0;         // phase 2 (over phase 1): bf16 sw128 K o exp(G)
-constexpr int P_A = 16384;     // fp32 [64][LDL]
-constexpr int P_PT = P_A + C * LDL * 4;
-constexpr int P_ABH = P_PT + 3072;  // bf16 sw64 A diag(beta)
-constexpr int P_ABL = P_ABH + 8192;
-constexpr int P_V = P_CCL;          // bf16 sw128 V, loaded after the last anchor round
-static_assert(P_ABL + 8192 <= P_V, "prep phase 2 overlaps V");
-constexpr int P_L = P_AEND;         // fp32 [64][LDL]
-constexpr int P_BETA = P_L + C * LDL * 4;
-constexpr int P_TOT = P_BETA + 256;  // fp32 [4][128]
-constexpr int P_GA = P_TOT + 2048;   // fp32 [4][128]
-constexpr int P_GL = P_GA + 2048;    // fp32 [128]
-constexpr int P_SMEM = P_GL + 512;
+struct BwdRecord {
+  static constexpr bool kBwd = true;
+  static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + kRecGam); }
+  static __device__ __forceinline__ bf16* qg(char* rec) { return reinterpret_cast<bf16*>(rec + kRecQg); }
+  static __device__ __forceinline__ bf16* kg(char* rec) { return reinterpret_cast<bf16*>(rec + kRecKg); }
+  static __device__ __forceinline__ float* p(char* rec) { return reinterpret_cast<float*>(rec + kRecP); }
+  static __device__ __forceinline__ bf16* a_hi(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAH); }
+  static __device__ __forceinline__ bf16* a_lo(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAL); }
+  static __device__ __forceinline__ float* u(char* rec) { return reinterpret_cast<float*>(rec + kRecU); }
+  static __device__ __forceinline__ void zero_upper(char* rec, int e) {
+    p(rec)[e] = 0.f;
+    reinterpret_cast<bf16*>(rec + kRecAqkH)[e] = __float2bfloat16_rn(0.f);
+    reinterpret_cast<bf16*>(rec + kRecAqkL)[e] = __float2bfloat16_rn(0.f);
+  }
+  static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
+    const int e = (16 * I + r) * C + 16 * J + c;
+    reinterpret_cast<uint32_t*>(rec + kRecAqkH)[e / 2] = hi;
+    reinterpret_cast<uint32_t*>(rec + kRecAqkL)[e / 2] = lo;
+  }
+  static __device__ __forceinline__ void w(char* rec, int i, int j, float x0, float x1) {
+    *reinterpret_cast<uint32_t*>(rec + kRecW + 2 * (i * D + j)) = pack_bf16(x0, x1);
+  }
+};
 
-__global__ void __launch_bounds__(PNT, 2) prep_kernel(const Args a) {
+__global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int ci = blockIdx.x, h = blockIdx.y, H = a.H;
-  const int64_t tok = a.chunks[2 * ci];
-  const int nrows = a.chunks[2 * ci + 1];
-  char* rec = a.prep + (static_cast<int64_t>(ci) * H + h) * kPrepBytes;
-  const bf16* q = static_cast<const bf16*>(a.q);
-  const bf16* k = static_cast<const bf16*>(a.k);
-  bf16* sKr = reinterpret_cast<bf16*>(smem + P_KR);
-  bf16* sQrh = reinterpret_cast<bf16*>(smem + P_QRH);
-  bf16* sQrl = reinterpret_cast<bf16*>(smem + P_QRL);
-  bf16* sCch = reinterpret_cast<bf16*>(smem + P_CCH);
-  bf16* sCcl = reinterpret_cast<bf16*>(smem + P_CCL);
-  bf16* sX = reinterpret_cast<bf16*>(smem + P_X);
-  float* sA = reinterpret_cast<float*>(smem + P_A);
-  float* sPt = reinterpret_cast<float*>(smem + P_PT);
-  bf16* sAbh = reinterpret_cast<bf16*>(smem + P_ABH);
-  bf16* sAbl = reinterpret_cast<bf16*>(smem + P_ABL);
-  bf16* sV = reinterpret_cast<bf16*>(smem + P_V);
-  float* sL = reinterpret_cast<float*>(smem + P_L);
-  float* sBeta = reinterpret_cast<float*>(smem + P_BETA);
-  float* sTot = reinterpret_cast<float*>(smem + P_TOT);
-  float* sGa = reinterpret_cast<float*>(smem + P_GA);
-  float* sGl = reinterpret_cast<float*>(smem + P_GL);
-  bf16* gW = reinterpret_cast<bf16*>(rec + kRecW);
-  bf16* gKg = reinterpret_cast<bf16*>(rec + kRecKg);
-  bf16* gQg = reinterpret_cast<bf16*>(rec + kRecQg);
-  bf16* gAqkH = reinterpret_cast<bf16*>(rec + kRecAqkH);
-  bf16* gAqkL = reinterpret_cast<bf16*>(rec + kRecAqkL);
-  bf16* gAH = reinterpret_cast<bf16*>(rec + kRecAH);
-  bf16* gAL = reinterpret_cast<bf16*>(rec + kRecAL);
-  float* gU = reinterpret_cast<float*>(rec + kRecU);
-  float* gP = reinterpret_cast<float*>(rec + kRecP);
-  float* gGam = reinterpret_cast<float*>(rec + kRecGam);
-
-  const int cp = tid & 63, rq = tid >> 6;  // columns 2 cp, 2 cp + 1 of rows 16 rq .. 16 rq + 15
-  const int d0 = cp * 2;
-  const int g4 = lane >> 2, l4 = lane & 3;
-  const int64_t gs = static_cast<int64_t>(H) * D;
-
-  // ---- g and k straight to registers (rows past the chunk's end read as zero) ----
-  float G0[16], G1[16];
-  uint32_t kk[16];
-  const int64_t off0 = ((tok + rq * 16) * H + h) * D + d0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const bool ok = rq * 16 + i < nrows;
-    float2 gg = make_float2(0.f, 0.f);
-    uint32_t kv = 0u;
-    if (ok) {
-      gg = __ldg(reinterpret_cast<const float2*>(a.g + off0 + i * gs));
-      kv = __ldg(reinterpret_cast<const unsigned int*>(k + off0 + i * gs));
-    }
-    G0[i] = gg.x;
-    G1[i] = gg.y;
-    kk[i] = kv;
-  }
-  if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
-  // the strictly upper blocks of P and Aqk are never computed: zeros
-  for (int p = tid; p < C * C; p += PNT) {
-    const int r = p >> 6, cc = p & 63;
-    if ((cc >> 4) > (r >> 4)) {
-      gP[p] = 0.f;
-      gAqkH[p] = __float2bfloat16_rn(0.f);
-      gAqkL[p] = __float2bfloat16_rn(0.f);
-    }
-  }
-
-  // ---- cumsum of g per 16-row block, then block offsets ----
-#pragma unroll
-  for (int i = 1; i < 16; ++i) {
-    G0[i] += G0[i - 1];
-    G1[i] += G1[i - 1];
-  }
-  sTot[rq * D + d0] = G0[15];
-  sTot[rq * D + d0 + 1] = G1[15];
-  __syncthreads();
-  {
-    float o0 = 0.f, o1 = 0.f;
-    for (int qb = 0; qb < rq; ++qb) {
-      o0 += sTot[qb * D + d0];
-      o1 += sTot[qb * D + d0 + 1];
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      G0[i] += o0;
-      G1[i] += o1;
-    }
-    sGa[rq * D + d0] = G0[0];
-    sGa[rq * D + d0 + 1] = G1[0];
-    if (rq == 3) {
-      sGl[d0] = G0[15];
-      sGl[d0 + 1] = G1[15];
-      *reinterpret_cast<float2*>(gGam + d0) = make_float2(fexp(G0[15]), fexp(G1[15]));
-    }
-  }
-  __syncthreads();
-
-  // ---- anchored rows: K_r (hi), Q_r (hi + lo); s Qg = s q o exp(G) and Kg = k o exp(G_63 - G) to the record ----
-  {
-    const float gl0 = sGl[d0], gl1 = sGl[d0 + 1];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      const uint32_t qv = j < nrows ? __ldg(reinterpret_cast<const unsigned int*>(q + off0 + i * gs)) : 0u;
-      const float2 kf = bf2_to_f2(kk[i]);
-      const float2 qf = bf2_to_f2(qv);
-      const float e0 = fexp(G0[i] - G0[0]), e1 = fexp(G1[i] - G1[0]);  // <= 1
-      *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kf.x * e0, kf.y * e1);
-      uint32_t hi, lo;
-      split2(qf.x * e0, qf.y * e1, hi, lo);
-      *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
-      *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
-      const float x0 = fexp(G0[i]), x1 = fexp(G1[i]);
-      *reinterpret_cast<uint32_t*>(gQg + j * D + d0) = pack_bf16(a.scale * qf.x * x0, a.scale * qf.y * x1);
-      *reinterpret_cast<uint32_t*>(gKg + j * D + d0) = pack_bf16(kf.x * fexp(gl0 - G0[i]), kf.y * fexp(gl1 - G1[i]));
-    }
-  }
-
-  // ---- L (= beta P) and Aqk by anchor row block I: Cc_I = K o exp(G_anchor(I) - G) on rows 0 .. 16 I + 15;
-  //      warp w < 4: Aqk block (I, w); w >= 4: L block (I, w - 4); blocks above the diagonal idle ----
-#pragma unroll
-  for (int I = 0; I < 4; ++I) {
-    if (rq <= I) {
-      const float f0 = (I > rq) ? fexp(sGa[I * D + d0] - G0[0]) : 1.f;
-      const float f1 = (I > rq) ? fexp(sGa[I * D + d0 + 1] - G1[0]) : 1.f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int j = rq * 16 + i;
-        const float2 kf = bf2_to_f2(kk[i]);
-        const float r0 = fexp(G0[0] - G0[i]) * f0, r1 = fexp(G1[0] - G1[i]) * f1;  // exp(G_aI - G_j)
-        uint32_t hi, lo;
-        split2(kf.x * r0, kf.y * r1, hi, lo);
-        *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
-        *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
-      }
-    }
-    __syncthreads();
-    const int J = warp & 3;
-    const bool isL = warp >= 4;
-    if (J <= I) {
-      float acc[2][4];
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        uint32_t bh[4], bl[4];
-        ldb<128>(bh, sCch, ks * 16, J * 16, lane);
-        ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
-        if (isL) {  // K_r hi x (Cc hi + lo): K_r's lo half has no room in 113 KB
-          uint32_t af[4];
-          lda<128>(af, sKr, I * 16, ks * 16, lane);
-          mma_n16(acc[0], acc[1], af, bh);
-          mma_n16(acc[0], acc[1], af, bl);
-        } else {
-          uint32_t ah[4], al[4];
-          lda<128>(ah, sQrh, I * 16, ks * 16, lane);
-          lda<128>(al, sQrl, I * 16, ks * 16, lane);
-          mma_n16(acc[0], acc[1], ah, bh);
-          mma_n16(acc[0], acc[1], ah, bl);
-          mma_n16(acc[0], acc[1], al, bh);
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-          const int i = I * 16 + g4 + e2 * 8, j = J * 16 + n * 8 + l4 * 2;
-          float x0 = acc[n][e2 * 2], x1 = acc[n][e2 * 2 + 1];
-          if (isL) {
-            x0 = (I > J || j < i) ? x0 : 0.f;
-            x1 = (I > J || j + 1 < i) ? x1 : 0.f;
-            *reinterpret_cast<float2*>(gP + i * C + j) = make_float2(x0, x1);
-            const float bi = sBeta[i];
-            *reinterpret_cast<float2*>(sL + i * LDL + j) = make_float2(x0 * bi, x1 * bi);
-          } else {
-            x0 = (I > J || j <= i) ? x0 * a.scale : 0.f;
-            x1 = (I > J || j + 1 <= i) ? x1 * a.scale : 0.f;
-            uint32_t hi, lo;
-            split2(x0, x1, hi, lo);
-            *reinterpret_cast<uint32_t*>(gAqkH + i * C + j) = hi;
-            *reinterpret_cast<uint32_t*>(gAqkL + i * C + j) = lo;
-          }
-        }
-    }
-    __syncthreads();
-  }
-  // V (for U) lands while X is formed and A inverted
-  load_bf16<128, PNT>(sV, static_cast<const bf16*>(a.v) + ((tok * H + h) * D), gs, C, nrows, tid);
-  cp_async_commit();
-  // ---- X = K o exp(G) over the dead K_r tile ----
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int j = rq * 16 + i;
-    const float2 kf = bf2_to_f2(kk[i]);
-    *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp(G0[i]), kf.y * fexp(G1[i]));
-  }
-  // ---- A = (I + L)^-1 in FP32: diagonal blocks (threads 0 .. 63), then off-diagonal blocks by level ----
-  invert_diag_blocks<LDL>(sL, sA, tid);
-  __syncthreads();
-  for (int lev = 1; lev < 4; ++lev) {
-    const int np = 4 - lev;
-    for (int e = tid; e < np * 256; e += PNT) {
-      const int p = e >> 8, r = (e >> 4) & 15, cl = e & 15;
-      const int I = lev + p, J = p;
-      float s = 0.f;
-      for (int m = 16 * J; m < 16 * I; ++m) s = fmaf(sL[(16 * I + r) * LDL + m], sA[m * LDL + 16 * J + cl], s);
-      sPt[p * 256 + r * 16 + cl] = s;
-    }
-    __syncthreads();
-    for (int e = tid; e < np * 256; e += PNT) {
-      const int p = e >> 8, r = (e >> 4) & 15, cl = e & 15;
-      const int I = lev + p, J = p;
-      float s = 0.f;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) s = fmaf(sA[(16 * I + r) * LDL + 16 * I + m], sPt[p * 256 + m * 16 + cl], s);
-      sA[(16 * I + r) * LDL + 16 * J + cl] = -s;
-    }
-    __syncthreads();
-  }
-  // A (hi, lo) to the record, A diag(beta) (hi, lo) to shared
-  for (int e = tid; e < C * C / 2; e += PNT) {
-    const int i = e >> 5, j = (e & 31) * 2;
-    const float a0 = j <= i ? sA[i * LDL + j] : 0.f, a1 = j + 1 <= i ? sA[i * LDL + j + 1] : 0.f;
-    uint32_t hi, lo;
-    split2(a0, a1, hi, lo);
-    *reinterpret_cast<uint32_t*>(gAH + i * C + j) = hi;
-    *reinterpret_cast<uint32_t*>(gAL + i * C + j) = lo;
-    split2(a0 * sBeta[j], a1 * sBeta[j + 1], hi, lo);
-    *reinterpret_cast<uint32_t*>(sAbh + sw64(i, j)) = hi;
-    *reinterpret_cast<uint32_t*>(sAbl + sw64(i, j)) = lo;
-  }
-  cp_async_wait_all();
-  __syncthreads();
-  // ---- W = A diag(beta) X, U = A diag(beta) V. Warp: row blocks {mp, 3 - mp}, columns 32 nq .. ----
-  {
-    const int mp = warp & 1, nq = warp >> 1;
-#pragma unroll
-    for (int which = 0; which < 2; ++which) {
-      const bf16* B = which == 0 ? sX : sV;
-      float acc[2][4][4];
-#pragma unroll
-      for (int u = 0; u < 2; ++u)
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[u][n][e] = 0.f;
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int m = u == 0 ? mp : 3 - mp;
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          if (ks <= m) {
-            uint32_t ah[4], al[4];
-            lda<64>(ah, sAbh, m * 16, ks * 16, lane);
-            lda<64>(al, sAbl, m * 16, ks * 16, lane);
-#pragma unroll
-            for (int np = 0; np < 2; ++np) {
-              uint32_t b[4];
-              ldb_t<128>(b, B, ks * 16, nq * 32 + np * 16, lane);
-              mma_n16(acc[u][2 * np], acc[u][2 * np + 1], ah, b);
-              mma_n16(acc[u][2 * np], acc[u][2 * np + 1], al, b);
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int m = u == 0 ? mp : 3 - mp;
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            const int i = m * 16 + g4 + e2 * 8, j = nq * 32 + n * 8 + l4 * 2;
-            const float x0 = acc[u][n][e2 * 2], x1 = acc[u][n][e2 * 2 + 1];
-            if (which == 0) *reinterpret_cast<uint32_t*>(gW + i * D + j) = pack_bf16(x0, x1);
-            else *reinterpret_cast<float2*>(gU + i * D + j) = make_float2(x0, x1);
-          }
-      }
-    }
-  }
+  const chunk_prep::Inputs in{a.q, a.k, a.v, a.g, a.beta, a.chunks, a.H, a.scale};
+  char* rec = a.prep + (static_cast<int64_t>(blockIdx.x) * a.H + blockIdx.y) * kPrepBytes;
+  chunk_prep::prep_chunk<BwdRecord>(in, rec, smem);
 }
 
 // ================================================================================================
@@ -1276,7 +994,7 @@ cudaError_t launch_walk(K kern, const Args& a, int stage_bytes, int zdim, cudaSt
 
 cudaError_t launch_prep(const Args& a, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
-  return launch(prep_kernel, dim3(a.nchunks, a.H), PNT, P_SMEM, a, s);
+  return launch(prep_kernel, dim3(a.nchunks, a.H), chunk_prep::NT, chunk_prep::SMEM, a, s);
 }
 cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s) {
   return launch_walk(fwd_walk_kernel<false>, a, FW_STAGE, D / WCOLS, s);

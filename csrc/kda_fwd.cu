@@ -21,7 +21,6 @@ namespace {
 
 constexpr int C = 64;    // chunk rows
 constexpr int D = 128;   // head dim
-constexpr int LDL = 68;  // fp32 row stride of the 64x64 L / A tiles
 
 // ---- record offsets (bytes) ----
 constexpr int R_W = 0;
@@ -60,354 +59,40 @@ __device__ __forceinline__ void lda_tv(uint32_t (&a)[4], const __nv_bfloat16* t,
 }
 
 // =====================================================================================================
-// 1. prep
+// 1. prep (kda_chunk_prep.cuh) into the forward's record
 // =====================================================================================================
-constexpr int PT = 256;
-// phase A: anchored operands
-constexpr int P_KR = 0;        // bf16 sw128 [64][128] K o exp(G - G_anchor)
-constexpr int P_QRH = 16384;   // Q o exp(G - G_anchor), hi
-constexpr int P_QRL = 32768;   //                         lo
-constexpr int P_CCH = 49152;   // K o exp(G_anchor(I) - G), rows 0 .. 16 I + 15, hi
-constexpr int P_CCL = 65536;   //                                              lo
-constexpr int P_AEND = 81920;
-// phase B (aliases phase A once L and Aqk are done)
-constexpr int P_X = 0;         // bf16 sw128 K o exp(G)
-constexpr int P_A = 16384;     // fp32 [64][LDL]
-constexpr int P_PT = P_A + C * LDL * 4;  // fp32 [3][16][16]
-constexpr int P_ABH = P_PT + 3072;       // bf16 sw64 [64][64]
-constexpr int P_ABL = P_ABH + 8192;
-static_assert(P_ABL + 8192 <= P_AEND, "phase B overflows phase A");
-constexpr int P_QGS = P_CCH;             // bf16 sw128 Qg staging (the Cc tiles are dead by then)
-constexpr int P_KGS = P_CCL;             // bf16 sw128 Kg staging
-constexpr int P_L = P_AEND;              // fp32 [64][LDL]
-constexpr int P_BETA = P_L + C * LDL * 4;
-constexpr int P_TOT = P_BETA + 256;      // fp32 [4][128]
-constexpr int P_GA = P_TOT + 2048;       // fp32 [4][128]
-constexpr int P_GL = P_GA + 2048;        // fp32 [128]
-constexpr int PREP_SMEM = P_GL + 512;
-
-// One level of the blocked inverse (as v3): for I - J = LEV, P = sum_{J <= m < I} L_Im A_mJ, A_IJ = -A_II P.
-template <int LEV>
-__device__ __forceinline__ void inv_level(const float* sL, float* sA, float* sPt, int tid) {
-  constexpr int NP = 4 - LEV;
-#pragma unroll
-  for (int it = 0; it < NP; ++it) {
-    const int e = tid + it * PT;
-    const int p = e >> 8, r = (e >> 4) & 15, c = e & 15;
-    const int I = LEV + p, J = p;
-    const float* lrow = sL + (I * 16 + r) * LDL + J * 16;
-    const float* acol = sA + (J * 16) * LDL + J * 16 + c;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma unroll
-    for (int m = 0; m < 16 * LEV; m += 4) {
-      s0 = fmaf(lrow[m + 0], acol[(m + 0) * LDL], s0);
-      s1 = fmaf(lrow[m + 1], acol[(m + 1) * LDL], s1);
-      s2 = fmaf(lrow[m + 2], acol[(m + 2) * LDL], s2);
-      s3 = fmaf(lrow[m + 3], acol[(m + 3) * LDL], s3);
-    }
-    sPt[p * 256 + r * 16 + c] = (s0 + s1) + (s2 + s3);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int it = 0; it < NP; ++it) {
-    const int e = tid + it * PT;
-    const int p = e >> 8, r = (e >> 4) & 15, c = e & 15;
-    const int I = LEV + p, J = p;
-    const float* arow = sA + (I * 16 + r) * LDL + I * 16;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma unroll
-    for (int m = 0; m < 16; m += 4) {
-      s0 = fmaf(arow[m + 0], sPt[p * 256 + (m + 0) * 16 + c], s0);
-      s1 = fmaf(arow[m + 1], sPt[p * 256 + (m + 1) * 16 + c], s1);
-      s2 = fmaf(arow[m + 2], sPt[p * 256 + (m + 2) * 16 + c], s2);
-      s3 = fmaf(arow[m + 3], sPt[p * 256 + (m + 3) * 16 + c], s3);
-    }
-    sA[(I * 16 + r) * LDL + J * 16 + c] = -((s0 + s1) + (s2 + s3));
-  }
-  __syncthreads();
-}
-
 __device__ __forceinline__ void st_u32(char* base, int elem, uint32_t x) {
   *reinterpret_cast<uint32_t*>(base + elem * 2) = x;
 }
 
+struct FwdRecord {
+  static constexpr bool kBwd = false;
+  static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + R_GAM); }
+  static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
+    st_u32(rec + R_AQH, tri_off(tri_blk(I, J), r, c), hi);
+    st_u32(rec + R_AQL, tri_off(tri_blk(I, J), r, c), lo);
+  }
+  static __device__ __forceinline__ void qg_kg_piece(char* rec, int p, uint4 qg, uint4 kg) {
+    *reinterpret_cast<uint4*>(rec + R_QG + p * 16) = qg;
+    *reinterpret_cast<uint4*>(rec + R_KG + p * 16) = kg;
+  }
+  static __device__ __forceinline__ void ab(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
+    st_u32(rec + R_ABH, tri_off(tri_blk(I, J), r, c), hi);
+    st_u32(rec + R_ABL, tri_off(tri_blk(I, J), r, c), lo);
+  }
+  static __device__ __forceinline__ void w(char* rec, int i, int j, float x0, float x1) {  // stored negated
+    st_u32(rec + R_W, sw128(i, j), pack_bf16(-x0, -x1));
+  }
+};
+
+constexpr int PT = chunk_prep::NT;
+constexpr int PREP_SMEM = chunk_prep::SMEM;
+
 __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
   extern __shared__ __align__(128) char smem[];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int ci = blockIdx.x, h = blockIdx.y, H = a.H;
-  const int64_t tok = a.chunks[2 * ci];
-  const int nrows = a.chunks[2 * ci + 1];
-  char* rec = static_cast<char*>(a.ws) + (static_cast<int64_t>(ci) * H + h) * kFwdRecordBytes;
-  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q);
-  const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(a.k);
-  const __nv_bfloat16* beta = static_cast<const __nv_bfloat16*>(a.beta);
-
-  __nv_bfloat16* sKr = reinterpret_cast<__nv_bfloat16*>(smem + P_KR);
-  __nv_bfloat16* sQrh = reinterpret_cast<__nv_bfloat16*>(smem + P_QRH);
-  __nv_bfloat16* sQrl = reinterpret_cast<__nv_bfloat16*>(smem + P_QRL);
-  __nv_bfloat16* sCch = reinterpret_cast<__nv_bfloat16*>(smem + P_CCH);
-  __nv_bfloat16* sCcl = reinterpret_cast<__nv_bfloat16*>(smem + P_CCL);
-  __nv_bfloat16* sX = reinterpret_cast<__nv_bfloat16*>(smem + P_X);
-  float* sA = reinterpret_cast<float*>(smem + P_A);
-  float* sPt = reinterpret_cast<float*>(smem + P_PT);
-  __nv_bfloat16* sAbh = reinterpret_cast<__nv_bfloat16*>(smem + P_ABH);
-  __nv_bfloat16* sAbl = reinterpret_cast<__nv_bfloat16*>(smem + P_ABL);
-  float* sL = reinterpret_cast<float*>(smem + P_L);
-  __nv_bfloat16* sQgS = reinterpret_cast<__nv_bfloat16*>(smem + P_QGS);
-  __nv_bfloat16* sKgS = reinterpret_cast<__nv_bfloat16*>(smem + P_KGS);
-  float* sBeta = reinterpret_cast<float*>(smem + P_BETA);
-  float* sTot = reinterpret_cast<float*>(smem + P_TOT);
-  float* sGa = reinterpret_cast<float*>(smem + P_GA);
-  float* sGl = reinterpret_cast<float*>(smem + P_GL);
-
-  const int cp = tid & 63, rq = tid >> 6;  // columns 2cp, 2cp + 1 of rows 16 rq .. 16 rq + 15
-  const int d0 = cp * 2;
-  const int g4 = lane >> 2, l4 = lane & 3;
-
-  // ---- loads straight to registers (rows past the chunk's end read as zero) ----
-  float G0[16], G1[16];
-  uint32_t kk[16];
-  const int64_t off0 = ((tok + rq * 16) * H + h) * D + d0;  // row 16 rq of this thread's columns
-  const int rstride = H * D;                                 // elements per token row (< 2^31)
-  const float* gp = a.g + off0;
-  const __nv_bfloat16* kp = k + off0;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int j = rq * 16 + i;
-    const bool ok = j < nrows;
-    float2 gg = make_float2(0.f, 0.f);
-    uint32_t kv = 0u;
-    if (ok) {
-      gg = __ldg(reinterpret_cast<const float2*>(gp + i * rstride));
-      kv = __ldg(reinterpret_cast<const unsigned int*>(kp + i * rstride));
-    }
-    G0[i] = gg.x;
-    G1[i] = gg.y;
-    kk[i] = kv;
-  }
-  if (tid < C) sBeta[tid] = (tid < nrows) ? __bfloat162float(beta[(tok + tid) * H + h]) : 0.f;
-
-  // ---- cumsum of g per 16-row block, then block offsets ----
-#pragma unroll
-  for (int i = 1; i < 16; ++i) {
-    G0[i] += G0[i - 1];
-    G1[i] += G1[i - 1];
-  }
-  sTot[rq * D + d0] = G0[15];
-  sTot[rq * D + d0 + 1] = G1[15];
-  __syncthreads();
-  {
-    float o0 = 0.f, o1 = 0.f;
-    for (int qb = 0; qb < rq; ++qb) {
-      o0 += sTot[qb * D + d0];
-      o1 += sTot[qb * D + d0 + 1];
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      G0[i] += o0;
-      G1[i] += o1;
-    }
-    sGa[rq * D + d0] = G0[0];
-    sGa[rq * D + d0 + 1] = G1[0];
-    if (rq == 3) {
-      sGl[d0] = G0[15];
-      sGl[d0 + 1] = G1[15];
-      *reinterpret_cast<float2*>(rec + R_GAM + d0 * 4) = make_float2(fexp(G0[15]), fexp(G1[15]));
-    }
-  }
-  __syncthreads();
-
-  // ---- anchored Q/K rows of L and Aqk ----
-  {
-    uint32_t qq[16];  // q is read here, not with g and k, to keep the prep under 128 registers
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      qq[i] = (j < nrows) ? __ldg(reinterpret_cast<const unsigned int*>(q + off0 + i * rstride)) : 0u;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-      const float2 qf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qq[i]));
-      const float e0 = fexp(G0[i] - G0[0]), e1 = fexp(G1[i] - G1[0]);  // <= 1
-      *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kf.x * e0, kf.y * e1);
-      uint32_t hi, lo;
-      split2(qf.x * e0, qf.y * e1, hi, lo);
-      *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
-      *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
-    }
-  }
-
-  // ---- L and Aqk by anchor row block I: Cc_I = K o exp(G_anchor(I) - G) on rows 0 .. 16 I + 15 ----
-  //      warp w < 4: Aqk block (I, w); w >= 4: L block (I, w - 4); blocks above the diagonal idle.
-#pragma unroll
-  for (int I = 0; I < 4; ++I) {
-    if (rq <= I) {
-      const float f0 = (I > rq) ? fexp(sGa[I * D + d0] - G0[0]) : 1.f;
-      const float f1 = (I > rq) ? fexp(sGa[I * D + d0 + 1] - G1[0]) : 1.f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int j = rq * 16 + i;
-        const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-        const float r0 = fexp(G0[0] - G0[i]) * f0, r1 = fexp(G1[0] - G1[i]) * f1;  // exp(G_aI - G_j)
-        uint32_t hi, lo;
-        split2(kf.x * r0, kf.y * r1, hi, lo);
-        *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
-        *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
-      }
-    }
-    __syncthreads();
-    const int J = warp & 3;
-    const bool isL = warp >= 4;
-    if (J <= I) {
-      float acc[2][4];
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        uint32_t bh[4];
-        ldb<128>(bh, sCch, ks * 16, J * 16, lane);
-        if (isL) {
-          uint32_t af[4];
-          lda<128>(af, sKr, I * 16, ks * 16, lane);
-          mma_n16(acc[0], acc[1], af, bh);
-        } else {
-          uint32_t bl[4], ah[4], al[4];
-          ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
-          lda<128>(ah, sQrh, I * 16, ks * 16, lane);
-          lda<128>(al, sQrl, I * 16, ks * 16, lane);
-          mma_n16(acc[0], acc[1], ah, bh);
-          mma_n16(acc[0], acc[1], ah, bl);
-          mma_n16(acc[0], acc[1], al, bh);
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-          const int r = g4 + e2 * 8, c = n * 8 + l4 * 2;
-          const int i = I * 16 + r, j = J * 16 + c;
-          float x0 = acc[n][e2 * 2], x1 = acc[n][e2 * 2 + 1];
-          if (isL) {
-            const float bi = sBeta[i];
-            x0 = (I > J || j < i) ? x0 * bi : 0.f;
-            x1 = (I > J || j + 1 < i) ? x1 * bi : 0.f;
-            *reinterpret_cast<float2*>(sL + i * LDL + j) = make_float2(x0, x1);
-          } else {
-            x0 = (I > J || j <= i) ? x0 * a.scale : 0.f;
-            x1 = (I > J || j + 1 <= i) ? x1 * a.scale : 0.f;
-            uint32_t hi, lo;
-            split2(x0, x1, hi, lo);
-            st_u32(rec + R_AQH, tri_off(tri_blk(I, J), r, c), hi);
-            st_u32(rec + R_AQL, tri_off(tri_blk(I, J), r, c), lo);
-          }
-        }
-    }
-    __syncthreads();
-  }
-
-  // ---- Qg = s Q o exp(G) = s (Q o exp(G - G_anchor)) exp(G_anchor), from the hi + lo anchored rows
-  //      (Q and G0/G1 are not held for it), staged in the dead Cc tiles ----
-  {
-    const float ea0 = a.scale * fexp(G0[0]), ea1 = a.scale * fexp(G1[0]);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrh + sw128(j, d0)));
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrl + sw128(j, d0)));
-      *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = pack_bf16((hi.x + lo.x) * ea0, (hi.y + lo.y) * ea1);
-    }
-  }
-  // ---- X = K o exp(G) over the dead Kr tile; Kg = K o exp(G_63 - G), staged ----
-  {
-    const float gl0 = sGl[d0], gl1 = sGl[d0 + 1];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp(G0[i]), kf.y * fexp(G1[i]));
-      *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = pack_bf16(kf.x * fexp(gl0 - G0[i]), kf.y * fexp(gl1 - G1[i]));
-    }
-  }
-
-  __syncthreads();  // Qr is read (Qg) before A overwrites it
-  // ---- A = (I + L)^-1 in FP32: diagonal blocks (column-oriented substitution), then levels ----
-  // (threads 0 .. 63, a serial chain; meanwhile the other warps copy the staged Qg and Kg to the record in
-  // 16-byte pieces, before A diag(beta) and the inverse's levels touch shared memory near them)
-  if (tid < 64) {
-    invert_diag_blocks<LDL>(sL, sA, tid);
-  } else {
-    for (int p = tid - 64; p < C * D * 2 / 16; p += PT - 64) {
-      *reinterpret_cast<uint4*>(rec + R_QG + p * 16) = *reinterpret_cast<const uint4*>(smem + P_QGS + p * 16);
-      *reinterpret_cast<uint4*>(rec + R_KG + p * 16) = *reinterpret_cast<const uint4*>(smem + P_KGS + p * 16);
-    }
-  }
-  __syncthreads();
-  inv_level<1>(sL, sA, sPt, tid);
-  inv_level<2>(sL, sA, sPt, tid);
-  inv_level<3>(sL, sA, sPt, tid);
-  // A diag(beta) as bf16 hi + lo: sw64 tiles for W below, lower blocks to the record
-  for (int e = tid; e < C * C / 2; e += PT) {
-    const int i = e >> 5, j = (e & 31) * 2;
-    const float x0 = (j <= i) ? sA[i * LDL + j] * sBeta[j] : 0.f;
-    const float x1 = (j + 1 <= i) ? sA[i * LDL + j + 1] * sBeta[j + 1] : 0.f;
-    uint32_t hi, lo;
-    split2(x0, x1, hi, lo);
-    *reinterpret_cast<uint32_t*>(sAbh + sw64(i, j)) = hi;
-    *reinterpret_cast<uint32_t*>(sAbl + sw64(i, j)) = lo;
-    const int I = i >> 4, J = j >> 4;
-    if (J <= I) {
-      st_u32(rec + R_ABH, tri_off(tri_blk(I, J), i & 15, j & 15), hi);
-      st_u32(rec + R_ABL, tri_off(tri_blk(I, J), i & 15, j & 15), lo);
-    }
-  }
-  __syncthreads();
-
-  // ---- W = A diag(beta) X, stored negated. Warp: row blocks {mp, 3 - mp}, columns 32 nq .. ----
-  {
-    const int mp = warp & 1, nq = warp >> 1;
-    float acc[2][4][4];
-#pragma unroll
-    for (int u = 0; u < 2; ++u)
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[u][n][e] = 0.f;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int m = u == 0 ? mp : 3 - mp;
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        if (ks <= m) {
-          uint32_t ah[4], al[4];
-          lda<64>(ah, sAbh, m * 16, ks * 16, lane);
-          lda<64>(al, sAbl, m * 16, ks * 16, lane);
-#pragma unroll
-          for (int np = 0; np < 2; ++np) {
-            uint32_t b[4];
-            ldb_t<128>(b, sX, ks * 16, nq * 32 + np * 16, lane);
-            mma_n16(acc[u][2 * np], acc[u][2 * np + 1], ah, b);
-            mma_n16(acc[u][2 * np], acc[u][2 * np + 1], al, b);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int m = u == 0 ? mp : 3 - mp;
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-          const int i = m * 16 + g4 + e2 * 8;
-          const int j = nq * 32 + n * 8 + l4 * 2;
-          st_u32(rec + R_W, sw128(i, j), pack_bf16(-acc[u][n][e2 * 2], -acc[u][n][e2 * 2 + 1]));
-        }
-    }
-  }
+  const chunk_prep::Inputs in{a.q, a.k, nullptr, a.g, a.beta, a.chunks, a.H, a.scale};
+  char* rec = static_cast<char*>(a.ws) + (static_cast<int64_t>(blockIdx.x) * a.H + blockIdx.y) * kFwdRecordBytes;
+  chunk_prep::prep_chunk<FwdRecord>(in, rec, smem);
 }
 
 // =====================================================================================================
