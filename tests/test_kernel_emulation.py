@@ -114,6 +114,57 @@ def _prep(emu, plan, inputs):
     return chunks, runs, prep
 
 
+_PROBE = r"""
+#include <cuda_runtime.h>
+#include "kda_common.cuh"
+using namespace kda;
+struct ProbeArgs { const float* src; float* out; };
+// thread 0 copies src[0:4] and src[4:8] into shared memory as two cp.async groups and reads the first word of
+// each before any wait, after wait_group 1 and after wait_all
+__global__ void probe_kernel(const ProbeArgs a) {
+  extern __shared__ __align__(128) char smem[];
+  float* s = reinterpret_cast<float*>(smem);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 8; ++i) s[i] = -1.f;
+    cp_async16(s, a.src, true);
+    cp_async_commit();
+    cp_async16(s + 4, a.src + 4, true);
+    cp_async_commit();
+    a.out[0] = s[0]; a.out[1] = s[4];
+    cp_async_wait1();
+    a.out[2] = s[0]; a.out[3] = s[4];
+    cp_async_wait_all();
+    a.out[4] = s[0]; a.out[5] = s[4];
+  }
+}
+extern "C" int e_probe(const float* src, float* out) {
+  ProbeArgs a{src, out};
+  probe_kernel<<<dim3(1), 32, 64, nullptr>>>(a);
+  return 0;
+}
+"""
+
+
+def test_emulated_cp_async_lands_at_its_wait(tmp_path):
+    """The emulation's cp.async (tests/emulation/kda_common.cuh) keeps PTX's ordering, so a kernel that reads a
+    tile before waiting for it reads stale shared memory here as on the GPU: nothing lands before a wait,
+    wait_group 1 lands all but the newest group, wait_all lands the rest."""
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    for f in ("cuda_runtime.h", "cuda_bf16.h", "kda_common.cuh"):
+        shutil.copy(EMU / f, inc / f)
+    src = tmp_path / "probe.cpp"
+    src.write_text(_emulated(_PROBE))
+    lib = tmp_path / "libprobe.so"
+    subprocess.run(["g++", "-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", f"-I{inc}", "-x", "c++", str(src),
+                    "-o", str(lib)], check=True)
+    probe = ctypes.CDLL(str(lib))
+    data = torch.arange(1, 9, dtype=torch.float32)
+    out = torch.zeros(6)
+    assert probe.e_probe(_p(data), _p(out)) == 0
+    assert out.tolist() == [-1.0, -1.0, 1.0, -1.0, 1.0, 5.0]
+
+
 def test_records_walks_and_summaries(emu):
     """Records vs the torch prep; h, dh (with incoming states), the walks' V_new and dV_new, and the
     summaries M, E, M^T, F vs the torch walks."""
