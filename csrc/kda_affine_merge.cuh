@@ -121,24 +121,24 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeArgs a) {
   }
 }
 
-}  // namespace merge_detail
-
-inline cudaError_t launch_merge_fold(const MergeArgs& a, cudaStream_t stream) {
+// one CTA per (chain, head, state-column tile); compose also covers E's columns
+template <bool COMPOSE>
+inline cudaError_t launch(const MergeArgs& a, cudaStream_t stream) {
   if (a.nchain == 0 || a.H == 0) return cudaSuccess;
-  const cudaError_t err = cudaFuncSetAttribute(merge_detail::merge_kernel<false>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, merge_detail::kSmem);
+  const cudaError_t err = cudaFuncSetAttribute(merge_kernel<COMPOSE>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  merge_detail::merge_kernel<false><<<dim3(a.nchain, a.H, merge_detail::kTiles), 256, merge_detail::kSmem, stream>>>(a);
+  merge_kernel<COMPOSE><<<dim3(a.nchain, a.H, COMPOSE ? 2 * kTiles : kTiles), 256, kSmem, stream>>>(a);
   return cudaGetLastError();
 }
 
+}  // namespace merge_detail
+
+inline cudaError_t launch_merge_fold(const MergeArgs& a, cudaStream_t stream) {
+  return merge_detail::launch<false>(a, stream);
+}
+
 inline cudaError_t launch_merge_compose(const MergeArgs& a, cudaStream_t stream) {
-  if (a.nchain == 0 || a.H == 0) return cudaSuccess;
-  const cudaError_t err = cudaFuncSetAttribute(merge_detail::merge_kernel<true>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, merge_detail::kSmem);
-  if (err != cudaSuccess) return err;
-  merge_detail::merge_kernel<true><<<dim3(a.nchain, a.H, 2 * merge_detail::kTiles), 256, merge_detail::kSmem, stream>>>(a);
-  return cudaGetLastError();
+  return merge_detail::launch<true>(a, stream);
 }
 
 }  // namespace kda

@@ -344,8 +344,8 @@ def split_state_bytes(n: int, H: int) -> int:
 
 
 def split_state_shape(n: int, H: int) -> tuple:
-    """Shape of h or dh: bf16 [n, H, 2, 128, 128], the bytes of an FP32 state per chunk-head holding the
-    state as bf16 hi + lo in the walks' fragment order (kda_bwd.h kSplitStateBytes; ``split_states``)."""
+    """Shape of dh: bf16 [n, H, 2, 128, 128], the bytes of an FP32 state per chunk-head holding the state
+    gradient as bf16 hi + lo in the walks' fragment order (kda_bwd.h kSplitStateBytes; ``split_states``)."""
     return (n, H, 2, _D, _D)
 
 
@@ -362,7 +362,7 @@ def walk_tiles(records: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def split_states(x: torch.Tensor) -> torch.Tensor:
-    """The states S[key][value] as fp32 [n, H, 128, 128] from h or dh (``split_state_shape``, for tests and
+    """The states S[key][value] as fp32 [n, H, 128, 128] from dh (``split_state_shape``, for tests and
     diagnostics). Per chunk-head, kda_bwd.h: value half z, warp w, key step nt, eh, hi / lo, then 32 lanes
     (4 g + l) of two adjacent keys 8 nt + 2 l (+1) of value column 64 z + 16 w + 8 eh + g."""
     n, H = x.shape[:2]
