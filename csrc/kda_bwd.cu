@@ -110,16 +110,21 @@ __device__ __forceinline__ float2 ld2(const bf16* t, int r, int c) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t + swz<RL>(r, c)));
 }
 
-// rows [0, rows) of a bf16 matrix with RL columns (global row stride gstride elements) -> swizzled tile;
-// rows >= nvalid are zero-filled.
+// The C rows of a bf16 matrix with RL columns (global row stride gstride elements) -> swizzled tile; rows >= nvalid
+// are zero-filled. A thread's pieces p = tid + NT k keep their column and (row & 7) (a pass covers a multiple of 8
+// rows), so the swizzled offset and the source advance by constants: the address arithmetic is done once per call,
+// not per piece (per piece it was most of the walks' stage-load instructions: ncu, NOTES.md session 8).
 template <int RL, int NT>
-__device__ __forceinline__ void load_bf16(bf16* dst, const bf16* src, int64_t gstride, int rows, int nvalid,
-                                          int tid) {
-  constexpr int PR = RL / 8;
-  for (int p = tid; p < rows * PR; p += NT) {
-    const int r = p / PR, c = (p % PR) * 8;
-    const bool ok = r < nvalid;
-    cp_async16(dst + swz<RL>(r, c), ok ? src + r * gstride + c : src, ok);
+__device__ __forceinline__ void load_bf16(bf16* dst, const bf16* src, int64_t gstride, int nvalid, int tid) {
+  constexpr int PR = RL / 8, RPI = NT / PR;  // 16-byte pieces per row, rows per pass
+  static_assert(NT % PR == 0 && RPI % 8 == 0 && C % RPI == 0, "whole passes that keep row & 7");
+  const int r0 = tid / PR, c = (tid % PR) * 8;
+  bf16* d = dst + swz<RL>(r0, c);
+  const bf16* s = src + r0 * gstride + c;
+#pragma unroll
+  for (int k = 0; k < C / RPI; ++k) {
+    const bool ok = r0 + RPI * k < nvalid;
+    cp_async16(d + RPI * RL * k, ok ? s + RPI * k * gstride : src, ok);
   }
 }
 // Index of (row, col) in an fp32 [64][128] tile: row-major (SWZ = false), or with the 8-column groups
@@ -133,24 +138,43 @@ __device__ __forceinline__ int f32_at(int r, int c) {
   else return r * D + c;
 }
 
-// fp32 [rows][cols] (global row stride gstride) -> plain tile with row stride ld; rows >= nvalid zero.
-template <int NT>
-__device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, int64_t gstride, int rows, int cols,
-                                         int nvalid, int tid) {
-  const int PR = cols / 4;
-  for (int p = tid; p < rows * PR; p += NT) {
-    const int r = p / PR, c = (p % PR) * 4;
-    const bool ok = r < nvalid;
-    cp_async16(dst + r * ld + c, ok ? src + r * gstride + c : src, ok);
+// fp32 [ROWS][COLS] (global row stride gstride) -> plain tile with row stride ld; rows >= nvalid zero. As load_bf16:
+// a thread's pieces keep their column, offsets advance by constants.
+template <int NT, int ROWS, int COLS>
+__device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, int64_t gstride, int nvalid, int tid) {
+  constexpr int PR = COLS / 4, TOTAL = ROWS * PR;  // 16-byte pieces per row, in all
+  if constexpr (TOTAL <= NT) {
+    if (tid < TOTAL) {
+      const int r = tid / PR, c = (tid % PR) * 4;
+      const bool ok = r < nvalid;
+      cp_async16(dst + r * ld + c, ok ? src + r * gstride + c : src, ok);
+    }
+  } else {
+    constexpr int RPI = NT / PR;
+    static_assert(NT % PR == 0 && TOTAL % NT == 0, "whole passes");
+    const int r0 = tid / PR, c = (tid % PR) * 4;
+    float* d = dst + r0 * ld + c;
+    const float* s = src + r0 * gstride + c;
+#pragma unroll
+    for (int k = 0; k < TOTAL / NT; ++k) {
+      const bool ok = r0 + RPI * k < nvalid;
+      cp_async16(d + RPI * k * ld, ok ? s + RPI * k * gstride : src, ok);
+    }
   }
 }
-// fp32 [64][128] (global row stride gstride) -> swizzled tile (f32_at<true>); rows >= nvalid zero.
+// fp32 [64][128] (global row stride gstride) -> swizzled tile (f32_at<true>); rows >= nvalid zero. A pass covers a
+// multiple of 4 rows, so a thread's pieces keep their swizzle.
 template <int NT>
 __device__ __forceinline__ void load_f32_swz(float* dst, const float* src, int64_t gstride, int nvalid, int tid) {
-  for (int p = tid; p < C * D / 4; p += NT) {
-    const int r = p / (D / 4), c = (p % (D / 4)) * 4;
-    const bool ok = r < nvalid;
-    cp_async16(dst + f32_at<true>(r, c), ok ? src + r * gstride + c : src, ok);
+  constexpr int PR = D / 4, RPI = NT / PR;
+  static_assert(NT % PR == 0 && RPI % 4 == 0 && C % RPI == 0, "whole passes that keep row & 3");
+  const int r0 = tid / PR, c = (tid % PR) * 4;
+  float* d = dst + f32_at<true>(r0, c);
+  const float* s = src + r0 * gstride + c;
+#pragma unroll
+  for (int k = 0; k < C / RPI; ++k) {
+    const bool ok = r0 + RPI * k < nvalid;
+    cp_async16(d + RPI * D * k, ok ? s + RPI * k * gstride : src, ok);
   }
 }
 
@@ -332,12 +356,12 @@ __device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGa
 
 __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU, int tid) {
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
-  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
+  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
+  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
   if (withU)
-    load_f32<WNT>(reinterpret_cast<float*>(st + FW_U), WUL, reinterpret_cast<const float*>(rec + kRecU) + col0, D, C,
-                  WCOLS, C, tid);
-  load_f32<WNT>(reinterpret_cast<float*>(st + FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1, tid);
+    load_f32<WNT, C, WCOLS>(reinterpret_cast<float*>(st + FW_U), WUL, reinterpret_cast<const float*>(rec + kRecU) + col0,
+                            D, C, tid);
+  load_f32<WNT, 1, D>(reinterpret_cast<float*>(st + FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
 }
 
 // Rows of a.runs: (first chunk, chunks, idx, src). Walk (!SUMMARY): the state enters from a.fold[idx]
@@ -414,17 +438,17 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
 
 __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF, int tid) {
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, C, tid);
-  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, C, tid);
-  load_f32<WNT>(reinterpret_cast<float*>(st + RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, D, 1, tid);
+  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
+  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
+  load_f32<WNT, 1, D>(reinterpret_cast<float*>(st + RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
   if (withF) {
-    load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, C, tid);
-    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, C, tid);
-    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, C, tid);
+    load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, tid);
+    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, tid);
+    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, tid);
     const int64_t tok = a.chunks[2 * c];
     const int nrows = a.chunks[2 * c + 1];
     load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_DO),
-                       static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D, C,
+                       static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D,
                        nrows, tid);
   }
 }
@@ -675,8 +699,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   const int n64 = (64 / CG) * cg;     // 64x64 outputs: 16 rows x 64 / CG cols per warp
 
   // ---- phase A loads ----
-  load_bf16<128, NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, C, nrows, tid);
-  load_bf16<128, NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, C, nrows, tid);
+  load_bf16<128, NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, nrows, tid);
+  load_bf16<128, NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
 #pragma unroll
   for (int z = 0; z < 2; ++z) {
     load_walk_tile<NT>(B16(a_vn(z, kVNH)), rec + kRecVn, z, 0, tid);
@@ -684,8 +708,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     load_walk_tile<NT>(B16(a_vn(z, kDVH)), rec + kRecDvn, z, 0, tid);
     load_walk_tile<NT>(B16(a_vn(z, kDVL)), rec + kRecDvn, z, 1, tid);
   }
-  load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, C, tid);
-  if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, C, tid);
+  load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, tid);
+  if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, tid);
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
@@ -741,8 +765,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   // ---- phase B1: G, q, k; consume dQg, dKg; stage dW, s dAqk, K o exp(G) ----
   float* sG = reinterpret_cast<float*>(smem + B_G);
   load_f32_swz<NT>(sG, a.g + base, gs, nrows, tid);
-  load_bf16<128, NT>(B16(B_Q), static_cast<const bf16*>(a.q) + base, gs, C, nrows, tid);
-  load_bf16<128, NT>(B16(B_K), static_cast<const bf16*>(a.k) + base, gs, C, nrows, tid);
+  load_bf16<128, NT>(B16(B_Q), static_cast<const bf16*>(a.q) + base, gs, nrows, tid);
+  load_bf16<128, NT>(B16(B_K), static_cast<const bf16*>(a.k) + base, gs, nrows, tid);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
