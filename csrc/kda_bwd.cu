@@ -110,23 +110,34 @@ __device__ __forceinline__ float2 ld2(const bf16* t, int r, int c) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t + swz<RL>(r, c)));
 }
 
-// The C rows of a bf16 matrix with RL columns (global row stride gstride elements) -> swizzled tile; rows >= nvalid
-// are zero-filled. A thread's pieces p = tid + NT k keep their column and (row & 7) (a pass covers a multiple of 8
-// rows), so the swizzled offset and the source advance by constants: the address arithmetic is done once per call,
-// not per piece (per piece it was most of the walks' stage-load instructions: ncu, NOTES.md session 8).
-template <int RL, int NT>
-__device__ __forceinline__ void load_bf16(bf16* dst, const bf16* src, int64_t gstride, int nvalid, int tid) {
-  constexpr int PR = RL / 8, RPI = NT / PR;  // 16-byte pieces per row, rows per pass
-  static_assert(NT % PR == 0 && RPI % 8 == 0 && C % RPI == 0, "whole passes that keep row & 7");
-  const int r0 = tid / PR, c = (tid % PR) * 8;
-  bf16* d = dst + swz<RL>(r0, c);
-  const bf16* s = src + r0 * gstride + c;
+// ROWS rows of a matrix of T (PR 16-byte pieces per row, global row stride gstride elements) -> a shared tile whose
+// layout `at(r, c)` (element offset) repeats every ld elements per row across a pass: rows >= nvalid are zero-filled.
+// A thread's pieces p = tid + NT k keep their column, so the tile offset and the source advance by constants: the
+// address arithmetic is done once per call, not per piece (per piece it was most of the walks' stage-load
+// instructions: ncu, NOTES.md session 8). RPI rows per pass; a swizzled layout must repeat within RPI rows.
+template <int NT, int ROWS, int PR, class T, class At>
+__device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int64_t gstride, int nvalid, int tid, At at) {
+  constexpr int E = 16 / sizeof(T), TOTAL = ROWS * PR;  // elements per piece, pieces in all
+  constexpr int RPI = TOTAL <= NT ? ROWS : NT / PR, PASSES = TOTAL <= NT ? 1 : TOTAL / NT;
+  static_assert(TOTAL <= NT || (NT % PR == 0 && TOTAL % NT == 0), "whole passes");
+  if (TOTAL < NT && tid >= TOTAL) return;
+  const int r0 = tid / PR, c = (tid % PR) * E;
+  T* d = dst + at(r0, c);
+  const T* s = src + r0 * gstride + c;
 #pragma unroll
-  for (int k = 0; k < C / RPI; ++k) {
+  for (int k = 0; k < PASSES; ++k) {
     const bool ok = r0 + RPI * k < nvalid;
-    cp_async16(d + RPI * RL * k, ok ? s + RPI * k * gstride : src, ok);
+    cp_async16(d + RPI * k * ld, ok ? s + RPI * k * gstride : src, ok);
   }
 }
+
+// The C rows of a bf16 matrix with RL columns -> swizzled tile (swz<RL>: repeats every 8 rows).
+template <int RL, int NT>
+__device__ __forceinline__ void load_bf16(bf16* dst, const bf16* src, int64_t gstride, int nvalid, int tid) {
+  static_assert((NT / (RL / 8)) % 8 == 0, "a pass keeps row & 7");
+  load_rows<NT, C, RL / 8>(dst, RL, src, gstride, nvalid, tid, [](int r, int c) { return swz<RL>(r, c); });
+}
+
 // Index of (row, col) in an fp32 [64][128] tile: row-major (SWZ = false), or with the 8-column groups
 // XOR-swizzled by (row & 3) (SWZ = true). The gradient kernel reads its G and dG tiles in the mma
 // accumulator pattern (8 rows x 4 column pairs per warp instruction): row-major, those reads hit 4
@@ -138,44 +149,16 @@ __device__ __forceinline__ int f32_at(int r, int c) {
   else return r * D + c;
 }
 
-// fp32 [ROWS][COLS] (global row stride gstride) -> plain tile with row stride ld; rows >= nvalid zero. As load_bf16:
-// a thread's pieces keep their column, offsets advance by constants.
+// fp32 [ROWS][COLS] -> plain tile with row stride ld.
 template <int NT, int ROWS, int COLS>
 __device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, int64_t gstride, int nvalid, int tid) {
-  constexpr int PR = COLS / 4, TOTAL = ROWS * PR;  // 16-byte pieces per row, in all
-  if constexpr (TOTAL <= NT) {
-    if (tid < TOTAL) {
-      const int r = tid / PR, c = (tid % PR) * 4;
-      const bool ok = r < nvalid;
-      cp_async16(dst + r * ld + c, ok ? src + r * gstride + c : src, ok);
-    }
-  } else {
-    constexpr int RPI = NT / PR;
-    static_assert(NT % PR == 0 && TOTAL % NT == 0, "whole passes");
-    const int r0 = tid / PR, c = (tid % PR) * 4;
-    float* d = dst + r0 * ld + c;
-    const float* s = src + r0 * gstride + c;
-#pragma unroll
-    for (int k = 0; k < TOTAL / NT; ++k) {
-      const bool ok = r0 + RPI * k < nvalid;
-      cp_async16(d + RPI * k * ld, ok ? s + RPI * k * gstride : src, ok);
-    }
-  }
+  load_rows<NT, ROWS, COLS / 4>(dst, ld, src, gstride, nvalid, tid, [ld](int r, int c) { return r * ld + c; });
 }
-// fp32 [64][128] (global row stride gstride) -> swizzled tile (f32_at<true>); rows >= nvalid zero. A pass covers a
-// multiple of 4 rows, so a thread's pieces keep their swizzle.
+// fp32 [64][128] -> swizzled tile (f32_at<true>: repeats every 4 rows).
 template <int NT>
 __device__ __forceinline__ void load_f32_swz(float* dst, const float* src, int64_t gstride, int nvalid, int tid) {
-  constexpr int PR = D / 4, RPI = NT / PR;
-  static_assert(NT % PR == 0 && RPI % 4 == 0 && C % RPI == 0, "whole passes that keep row & 3");
-  const int r0 = tid / PR, c = (tid % PR) * 4;
-  float* d = dst + f32_at<true>(r0, c);
-  const float* s = src + r0 * gstride + c;
-#pragma unroll
-  for (int k = 0; k < C / RPI; ++k) {
-    const bool ok = r0 + RPI * k < nvalid;
-    cp_async16(d + RPI * D * k, ok ? s + RPI * k * gstride : src, ok);
-  }
+  static_assert((NT / (D / 4)) % 4 == 0, "a pass keeps row & 3");
+  load_rows<NT, C, D / 4>(dst, D, src, gstride, nvalid, tid, [](int r, int c) { return f32_at<true>(r, c); });
 }
 
 // hi (hl = 0) or lo (hl = 1) of V_new^T or dV_new^T, value columns of half z, from a record slot in the
