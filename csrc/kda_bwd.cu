@@ -337,7 +337,10 @@ __device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGa
   }
 }
 
-__device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU, int tid) {
+// (The stage loads re-read the thread index: their per-thread offsets are then recomputed at each step instead of
+// being hoisted out of the chunk loop and held across the step's products.)
+__device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU) {
+  const int tid = thread_index();
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
   load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
@@ -372,12 +375,12 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
     }
     state_tile_init<!SUMMARY>(ST, src, !withU, vcol, g4, l4);
   }
-  if (nc > 0) fwd_stage_load(smem, a, first, h, col0, withU, tid);
+  if (nc > 0) fwd_stage_load(smem, a, first, h, col0, withU);
   cp_async_commit();
   for (int j = 0; j < nc; ++j) {
     char* st = smem + (j & 1) * FW_STAGE;
     if (j + 1 < nc) {
-      fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU, tid);
+      fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU);
       cp_async_commit();
       cp_async_wait1();
     } else {
@@ -419,7 +422,8 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
   }
 }
 
-__device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF, int tid) {
+__device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF) {
+  const int tid = thread_index();
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
   load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
@@ -460,13 +464,13 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     }
     state_tile_init<!SUMMARY>(ST, src, !withF, vcol, g4, l4);
   }
-  if (nc > 0) rev_stage_load(smem, a, first + nc - 1, h, col0, withF, tid);
+  if (nc > 0) rev_stage_load(smem, a, first + nc - 1, h, col0, withF);
   cp_async_commit();
   for (int jj = 0; jj < nc; ++jj) {
     const int j = nc - 1 - jj;
     char* st = smem + (jj & 1) * RW_STAGE;
     if (j > 0) {
-      rev_stage_load(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF, tid);
+      rev_stage_load(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF);
       cp_async_commit();
       cp_async_wait1();
     } else {

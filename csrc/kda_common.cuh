@@ -138,6 +138,14 @@ __device__ __forceinline__ void st_global_pinned(void* p, uint32_t x) {
   asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(x));
 }
 
+// threadIdx.x as an opaque value: what derives from it is formed where it is used, never hoisted out of a loop
+// and held in registers across it (asm volatile is re-executed at each call)
+__device__ __forceinline__ int thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
 // ---- cp.async (16 bytes, zero-filled when !valid) ----
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),

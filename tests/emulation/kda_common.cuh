@@ -112,6 +112,7 @@ struct AsyncGroups {
   }
 };
 inline thread_local AsyncGroups t_async;
+inline int thread_index() { return static_cast<int>(threadIdx.x); }
 inline void cp_async16(void* dst, const void* src, bool valid) {
   AsyncCopy c{dst, {}};
   if (valid) std::memcpy(c.bytes, src, 16);
