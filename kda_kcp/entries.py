@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import workspace as _ws
-from .function import KdaKcpFunction, backward_kcp, forward_kcp
+from .function import backward_kcp, chunk_kda_autograd, forward_kcp
 from .validate import check_flag
 
 __all__ = ["ENTRY_NAMES", "make_entries"]
@@ -40,7 +40,7 @@ def make_entries(package: str, mode: bool) -> dict:
     def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None):
         """Differentiable KDA over this rank's shard: returns o [T, H, V] (see kda_kcp.chunk_kda_kcp)."""
         _own(deterministic)
-        return KdaKcpFunction.apply(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
+        return chunk_kda_autograd(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
 
     def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None):
         """Forward without autograd: returns (o, saved) for chunk_kda_bwd_kcp."""

@@ -26,7 +26,8 @@ from .validate import check_grad_output, check_inputs, check_scale, check_values
 from .walk import affine_merge
 from .workspace import WorkspaceKcp, exchange_elements, workspace_bytes
 
-__all__ = ["KdaSaved", "forward_kcp", "backward_kcp", "KdaKcpFunction", "local_arena_bytes"]
+__all__ = ["KdaSaved", "ForwardCall", "forward_kcp", "backward_kcp", "KdaKcpInputs", "KdaKcpOutput",
+           "chunk_kda_autograd", "local_arena_bytes"]
 
 
 @dataclass
@@ -133,21 +134,40 @@ def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf,
     return out
 
 
+class ForwardCall:
+    """One forward call in two steps. ``begin``: the checks, the workspace split and, when the plan exchanges
+    (W > 1 with a document crossing a piece), the chunk records, this rank's summaries, the all-gather and the
+    merge into each run's incoming state (``saved.state_in``). ``finish``: the records if ``begin`` made none,
+    then the output pass. Inputs are read, never written."""
+
+    def __init__(self, q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
+        self.backend, scale = _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
+        plan, local = ctx.plan, ctx.local
+        H, K, V = q.shape[1], q.shape[2], v.shape[2]
+        dt = _summary_dtype(self.backend, q, k, v, g, beta)
+        xbuf, self.arena = _split_workspace(workspace, ctx, self.backend, H, K, V, dt, q.device)
+        self.local = local
+        self.prepared = None
+        state_in = None
+        if plan.needs_exchange:
+            self.prepared = self.backend.fwd_prepare(q, k, v, g, beta, scale, local, self.arena)  # records, once
+            state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
+            _exchange_and_merge(ctx, self.prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q,
+                                v, dt, xbuf, self.arena, state_in)
+        self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic)
+
+    def finish(self) -> torch.Tensor:
+        s = self.saved
+        if self.prepared is None:
+            self.prepared = self.backend.fwd_prepare(s.q, s.k, s.v, s.g, s.beta, s.scale, self.local, self.arena)
+        o, self.prepared = self.prepared.output(s.state_in), None
+        return o
+
+
 def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
     """Returns (o, KdaSaved). Inputs are read, never written."""
-    backend, scale = _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
-    plan, local = ctx.plan, ctx.local
-    H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    dt = _summary_dtype(backend, q, k, v, g, beta)
-    xbuf, arena = _split_workspace(workspace, ctx, backend, H, K, V, dt, q.device)
-    prepared = backend.fwd_prepare(q, k, v, g, beta, scale, local, arena)  # the chunk records, once
-    state_in = None
-    if plan.needs_exchange:
-        state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
-        _exchange_and_merge(ctx, prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q, v, dt,
-                            xbuf, arena, state_in)
-    o = prepared.output(state_in)
-    return o, KdaSaved(q, k, v, g, beta, state_in, scale, deterministic)
+    call = ForwardCall(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
+    return call.finish(), call.saved
 
 
 def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
@@ -179,14 +199,26 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
     return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
 
 
-class KdaKcpFunction(torch.autograd.Function):
+# The differentiable call is two autograd nodes. KdaKcpInputs runs ForwardCall.begin, keeps the inputs (and
+# the incoming states) for the backward and returns a placeholder shaped like o; KdaKcpOutput runs the output
+# pass and hands do back to the placeholder, so KdaKcpInputs.backward receives do and computes every gradient.
+# Why two: a non-reentrant torch.utils.checkpoint recomputation stops as soon as the tensors the backward saved
+# are back (torch's early stop, on by default). They are all saved by KdaKcpInputs, before the output pass, so
+# when nothing later in the checkpointed region saved o, the recomputation never runs the output pass (at
+# W = 1 it runs no kernel at all); when something did, it runs on and o is recomputed as before.
+
+
+class KdaKcpInputs(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
-        o, saved = forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
+    def forward(fctx, q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, handoff):
+        call = ForwardCall(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
+        handoff.append(call)
+        saved = call.saved
         extra = () if saved.state_in is None else (saved.state_in,)
         fctx.save_for_backward(q, k, v, g, beta, *extra)
         fctx.kcp = (ctx, saved.scale, deterministic, workspace)
-        return o
+        # o's shape and the inputs' dtype (the dtype of o on either backend), without storage
+        return q.new_empty(()).expand(q.shape[0], q.shape[1], v.shape[2])
 
     @staticmethod
     def backward(fctx, do):
@@ -194,4 +226,21 @@ class KdaKcpFunction(torch.autograd.Function):
         q, k, v, g, beta, *extra = fctx.saved_tensors
         saved = KdaSaved(q, k, v, g, beta, extra[0] if extra else None, scale, deterministic)
         grads = backward_kcp(do, saved, ctx, workspace)
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
+
+
+class KdaKcpOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, placeholder, handoff):
+        return handoff.pop().finish()
+
+    @staticmethod
+    def backward(fctx, do):
+        return do, None
+
+
+def chunk_kda_autograd(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
+    """o of one differentiable KCP call (the two nodes above)."""
+    handoff = []
+    placeholder = KdaKcpInputs.apply(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, handoff)
+    return KdaKcpOutput.apply(placeholder, handoff)

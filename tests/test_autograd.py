@@ -5,6 +5,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import kda_kcp
+from kda_kcp import function
 from helpers import make_inputs, offsets, step
 
 CU = offsets([70, 1, 0, 130, 64])
@@ -21,6 +22,67 @@ def test_checkpoint_equals_plain_step(deterministic):
     )
     o.backward(do)
     for a, b in zip(plain, [o.detach()] + [x.grad for x in leaves]):
+        assert torch.equal(a, b)
+
+
+class _CountPasses:
+    """Counts ForwardCall steps: begins (checks, and the exchange at W > 1) and output passes."""
+
+    def __init__(self, monkeypatch):
+        self.begins = self.outputs = 0
+        init, finish = function.ForwardCall.__init__, function.ForwardCall.finish
+
+        def counted_init(call, *a, **kw):
+            self.begins += 1
+            init(call, *a, **kw)
+
+        def counted_finish(call):
+            self.outputs += 1
+            return finish(call)
+
+        monkeypatch.setattr(function.ForwardCall, "__init__", counted_init)
+        monkeypatch.setattr(function.ForwardCall, "finish", counted_finish)
+
+
+def _checkpoint_step(inputs, do, ctx, after=lambda o: o, **kw):
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o = checkpoint(lambda *xs: after(kda_kcp.chunk_kda_kcp(*xs, ctx, **kw)), *leaves, use_reentrant=False)
+    o.backward(do)
+    return [o.detach()] + [x.grad for x in leaves]
+
+
+def test_checkpoint_recomputation_skips_the_output_pass(monkeypatch):
+    """Region = the op alone: the recomputation stops once the inputs the backward saved are back, before
+    the output pass (its o would be thrown away); gradients stay bitwise those of the plain step."""
+    inputs, do = make_inputs(CU, dtype=torch.float32, seed=6)
+    ctx = kda_kcp.build_context_kcp(CU)
+    plain = step(inputs, do, ctx)
+    n = _CountPasses(monkeypatch)
+    got = _checkpoint_step(inputs, do, ctx)
+    assert (n.begins, n.outputs) == (2, 1)
+    for a, b in zip(plain, got):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_recomputes_o_when_the_region_saved_it(monkeypatch):
+    """A later op in the region saved o (the square): the recomputation runs the output pass again, and the
+    result equals the plain step; so does a recomputation with torch's early stop switched off."""
+    inputs, do = make_inputs(CU, dtype=torch.float32, seed=7)
+    ctx = kda_kcp.build_context_kcp(CU)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o = kda_kcp.chunk_kda_kcp(*leaves, ctx).square()
+    o.backward(do)
+    plain = [o.detach()] + [x.grad for x in leaves]
+    n = _CountPasses(monkeypatch)
+    got = _checkpoint_step(inputs, do, ctx, after=torch.square)
+    assert (n.begins, n.outputs) == (2, 2)
+    for a, b in zip(plain, got):
+        assert torch.equal(a, b)
+    n.begins = n.outputs = 0
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        got = _checkpoint_step(inputs, do, ctx)
+    assert (n.begins, n.outputs) == (2, 2)
+    for a, b in zip(step(inputs, do, ctx), got):
         assert torch.equal(a, b)
 
 

@@ -115,6 +115,39 @@ def test_saved_bytes_and_workspace_at_two_ranks():
     run_distributed(_saved_and_workspace, 2)
 
 
+def _checkpoint_at_w(rank, world):
+    """At W > 1 the checkpoint step equals the plain step bit for bit in every layout, and its recomputation
+    redoes the forward exchange (the backward reads the incoming states) but not the output pass."""
+    from torch.utils.checkpoint import checkpoint
+
+    from kda_kcp import function
+
+    outputs = []
+    finish = function.ForwardCall.finish
+    function.ForwardCall.finish = lambda call: outputs.append(1) or finish(call)
+    try:
+        cu = offsets([1, 0, 299, 150, 161])
+        inputs, do = make_inputs(cu, H=H, K=K, V=V, seed=9)
+        for layout in kda_kcp.LAYOUTS:
+            ctx = kda_kcp.build_context_kcp(torch.tensor(cu), dist.group.WORLD, layout)
+            local = [ctx.shard(x) for x in inputs]
+            plain = step(local, ctx.shard(do), ctx)
+            leaves = [x.clone().requires_grad_() for x in local]
+            outputs.clear()
+            o = checkpoint(lambda *xs: kda_kcp.chunk_kda_kcp(*xs, ctx), *leaves, use_reentrant=False)
+            o.backward(ctx.shard(do))
+            assert len(outputs) == 1, (layout, len(outputs))
+            for a, b in zip(plain, [o.detach()] + [x.grad for x in leaves]):
+                assert torch.equal(a, b), layout
+    finally:
+        function.ForwardCall.finish = finish
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_checkpoint_step_equals_plain_at_w(world):
+    run_distributed(_checkpoint_at_w, world)
+
+
 def _disagreeing_ranks(rank, world):
     cus = [offsets([10, 20]), offsets([10, 21])]
     try:
