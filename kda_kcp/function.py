@@ -1,4 +1,4 @@
-"""One KCP call, forward and backward, and the ``torch.autograd.Function`` around it.
+"""One KCP call, forward and backward, and the two autograd nodes around it (KdaKcpInputs, KdaKcpOutput).
 
 Forward (DESIGN.md section 2): summaries of the runs whose document continues later -> one all-gather
 -> affine merge into each run's incoming state -> fwd_output. Backward mirrors it with (M^T, F) of the
