@@ -363,6 +363,25 @@ def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
         assert torch.equal(x, r), f"{name}: the lean backward differs from the replay one"
 
 
+def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch):
+    """Whole-run walks (no segments) of runs of 2, 4 and 1 chunks: the run of 4 is the late group, runs 0 and
+    2 the early one (two chunk ranges, so the gradient kernel runs on views of the chunk rows, records, h and
+    dh); the pipelined backward gives the unpipelined one's gradients bit for bit, from given states."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
+    cu = [0, 70, 300, 330]
+    plan, inputs, do, sin, dso = _case(cu, 1, 11)
+    early, late = cb._walk_groups(plan, 1, "cpu")
+    assert (early.ranges, late.ranges) == ([(0, 2), (6, 7)], [(2, 6)])
+    got = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", flag)
+        got[flag] = cb.PreparedBackward(*inputs, do, SCALE, plan).grads(sin, dso)
+    for name, a, b in zip(NAMES, got["1"], got["0"]):
+        assert torch.equal(a, b), f"{name}: the pipelined backward differs"
+        assert a.float().abs().sum() > 0, name
+
+
 def _emulated_kcp(rank, world, lib_path):
     """One rank of a W = 2 KCP step over gloo through kda_kcp.cuda with the emulated kernels (the KCP
     summaries, their composition and both exchanges included), every layout, against the FP64 oracle."""

@@ -396,6 +396,99 @@ def _state(x, n, H, none, name):
     return x
 
 
+def _pipeline() -> bool:
+    """Whether whole-run backward walks are pipelined with the gradient kernel (``_walk_groups``; the default;
+    ``KDA_KCP_BWD_PIPELINE=0`` turns it off, for A/Bs)."""
+    v = os.environ.get("KDA_KCP_BWD_PIPELINE", "1").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"KDA_KCP_BWD_PIPELINE must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+LATE_FRACTION = 0.75  # a run whose walk is at least this fraction of the longest one is in the late group
+
+
+class WalkGroup:
+    """Runs whose walks and gradients go together: their rows of the whole-run walk tables and their chunk
+    ranges [c0, c1) of the plan's chunk table (consecutive runs merged)."""
+
+    def __init__(self, fwalk, rwalk, ranges, device):
+        self.fwalk = torch.tensor(fwalk, dtype=torch.int32).reshape(-1, 4).to(device)
+        self.rwalk = torch.tensor(rwalk, dtype=torch.int32).reshape(-1, 4).to(device)
+        self.ranges = ranges
+
+
+def _walk_groups(plan, heads: int, device):
+    """(early, late) WalkGroups of the whole-run backward walks, or None (segmented walks, or all runs
+    alike). The walks of a run are serial in its chunks, so the shorter runs' walks end well before the
+    longest one's and their SMs would idle: the early group's gradient kernel starts as soon as its walks
+    end, beside the late group's walks (which are bound by DRAM bandwidth, the gradient kernel by latency).
+    Every kernel sees the same rows and chunks as unpipelined, so the results are bitwise equal. A pure
+    function of the plan (cached)."""
+    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""))
+    cache = plan._tables
+    if key in cache:
+        return cache[key]
+    st = _seg_tables(plan, heads, device)
+    out = None
+    fw, rw = st.host["fwalk"], st.host["rwalk"]
+    if not (st.num_sum_f or st.num_sum_r) and fw:
+        longest = max(r[1] for r in fw)
+        late_runs = {r[2] for r in fw if r[1] >= LATE_FRACTION * longest}
+        if len(late_runs) < len({r[2] for r in fw}):
+            groups = []
+            for late in (False, True):
+                mine = lambda rows: [r for r in rows if (r[2] in late_runs) == late]  # noqa: E731
+                ranges = []
+                for first, count, _, _ in sorted(mine(fw)):
+                    if count == 0:
+                        continue
+                    if ranges and ranges[-1][1] == first:
+                        ranges[-1] = (ranges[-1][0], first + count)
+                    else:
+                        ranges.append((first, first + count))
+                groups.append(WalkGroup(mine(fw), mine(rw), ranges, device))
+            out = tuple(groups)
+    cache[key] = out
+    return out
+
+
+_GROUP_STREAMS: dict = {}
+
+
+def _pipelined_walks_and_grads(groups, launch_walks, launch_grads, device) -> None:
+    """The late group's walks, then the early group's walks and gradients, each chain on a side stream of its
+    own (the reverse and forward walk of a group on two), then the late group's gradients on the current
+    stream, joined at the end. On the CPU (the emulated kernels) the same launches run in order."""
+    early, late = groups
+    if torch.device(device).type != "cuda" or not _walk_streams():
+        for grp in (late, early):
+            launch_walks(grp, "rev")
+            launch_walks(grp, "fwd")
+        launch_grads(early)
+        launch_grads(late)
+        return
+    main = torch.cuda.current_stream(device)
+    side = _GROUP_STREAMS.get(main.device)
+    if side is None:
+        side = _GROUP_STREAMS[main.device] = [torch.cuda.Stream(device=main.device) for _ in range(4)]
+    for s in side:
+        s.wait_stream(main)  # the records and buffers carved so far
+    late_rev, late_fwd, early_rev, early_fwd = side
+    for grp, rev_s, fwd_s in ((late, late_rev, late_fwd), (early, early_rev, early_fwd)):
+        with torch.cuda.stream(rev_s):
+            launch_walks(grp, "rev")
+        with torch.cuda.stream(fwd_s):
+            launch_walks(grp, "fwd")
+    early_rev.wait_stream(early_fwd)
+    with torch.cuda.stream(early_rev):
+        launch_grads(early)
+    main.wait_stream(late_rev)
+    main.wait_stream(late_fwd)
+    launch_grads(late)
+    main.wait_stream(early_rev)  # buffers used on the side streams are freed (or reused) on main only after this
+
+
 class PreparedBackward:
     """One backward call: with the replay arena (``passes`` None) every chunk's prep record is made once
     and read by the backward summaries of the runs a rank publishes (KCP) and by the local gradients; the
@@ -480,8 +573,26 @@ class PreparedBackward:
                 mod.merge_fold(mt, f, st.rchains, dso, rfold)
             mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
 
-        _both_walks(rev_chain, fwd_chain, self.dev)
-        mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
+        groups = _walk_groups(self.plan, H, self.dev) if _pipeline() else None
+        if groups is None:
+            _both_walks(rev_chain, fwd_chain, self.dev)
+            mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale,
+                          _grads_warps())
+            return grads
+
+        def launch_walks(grp, which):
+            if which == "rev":
+                mod.bwd_rev_walk(do, prep, chunks, grp.rwalk, dso, rfold, dh)
+            else:
+                mod.bwd_fwd_walk(prep, chunks, grp.fwalk, sin, ffold, h)
+
+        def launch_grads(grp):
+            rec = H * PREP_BYTES
+            for c0, c1 in grp.ranges:  # views of the chunk rows, records, h and dh of one range
+                mod.bwd_grads(q, k, v, g, beta, do, chunks[c0:c1], prep[c0 * rec : c1 * rec], h[c0:c1], dh[c0:c1],
+                              dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
+
+        _pipelined_walks_and_grads(groups, launch_walks, launch_grads, self.dev)
         return grads
 
 
