@@ -73,8 +73,9 @@ def _both_walks(rev_chain, fwd_chain, device) -> None:
     reverse walk reads the records' W, Kg, Qg, Aqk, gamma and writes dV_new and dh, the forward walk reads
     W, Kg, U, gamma and writes V_new (over U) and h. Each kernel's result is the same whatever the overlap,
     so the backward stays bitwise repeatable. A CTA of each does not fit on one SM (shared memory): the
-    overlap is between the segmented chains' summaries, folds and walks (bwd at H = 4: -0.21 ms); whole-run
-    walks (H >= 16), one CTA per SM each, gain nothing (NOTES.md, session 6)."""
+    overlap is between the segmented chains' summaries, folds and walks (bwd at H = 4: -0.21 ms). Whole-run
+    walks of runs of unequal lengths go through ``_pipelined_walks_and_grads`` instead; run together, the two
+    walks are bound by DRAM bandwidth even when a CTA of each fits on one SM (NOTES.md, sessions 6 and 9)."""
     if torch.device(device).type != "cuda" or not _walk_streams():  # (the CPU emulation of the kernels)
         rev_chain()
         fwd_chain()
