@@ -135,10 +135,10 @@ def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf,
 
 
 class ForwardCall:
-    """One forward call in two steps. ``begin``: the checks, the workspace split and, when the plan exchanges
+    """One forward call in two steps. Making it: the checks, the workspace split and, when the plan exchanges
     (W > 1 with a document crossing a piece), the chunk records, this rank's summaries, the all-gather and the
-    merge into each run's incoming state (``saved.state_in``). ``finish``: the records if ``begin`` made none,
-    then the output pass. Inputs are read, never written."""
+    merge into each run's incoming state (``saved.state_in``). ``finish``: the records if the first step made
+    none, then the output pass. Inputs are read, never written."""
 
     def __init__(self, q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
         self.backend, scale = _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
@@ -199,9 +199,10 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
     return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
 
 
-# The differentiable call is two autograd nodes. KdaKcpInputs runs ForwardCall.begin, keeps the inputs (and
-# the incoming states) for the backward and returns a placeholder shaped like o; KdaKcpOutput runs the output
-# pass and hands do back to the placeholder, so KdaKcpInputs.backward receives do and computes every gradient.
+# The differentiable call is two autograd nodes. KdaKcpInputs makes the ForwardCall (its first step), keeps
+# the inputs (and the incoming states) for the backward and returns a placeholder shaped like o; KdaKcpOutput
+# runs the output pass and hands do back to the placeholder, so KdaKcpInputs.backward receives do and computes
+# every gradient.
 # Why two: a non-reentrant torch.utils.checkpoint recomputation stops as soon as the tensors the backward saved
 # are back (torch's early stop, on by default). They are all saved by KdaKcpInputs, before the output pass, so
 # when nothing later in the checkpointed region saved o, the recomputation never runs the output pass (at
