@@ -86,6 +86,24 @@ def test_checkpoint_recomputes_o_when_the_region_saved_it(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_reentrant_checkpoint_and_a_retained_graph_equal_the_plain_step():
+    inputs, do = make_inputs(CU, dtype=torch.float32, seed=8)
+    ctx = kda_kcp.build_context_kcp(CU)
+    plain = step(inputs, do, ctx)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o = checkpoint(lambda *xs: kda_kcp.chunk_kda_kcp(*xs, ctx), *leaves, use_reentrant=True)
+    o.backward(do)
+    for a, b in zip(plain, [o.detach()] + [x.grad for x in leaves]):
+        assert torch.equal(a, b)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o = kda_kcp.chunk_kda_kcp(*leaves, ctx)
+    o.backward(do, retain_graph=True)
+    first = [x.grad.clone() for x in leaves]
+    o.backward(do)  # the saved inputs serve a second backward; the gradients accumulate
+    for a, b, x in zip(plain[1:], first, leaves):
+        assert torch.equal(a, b) and torch.equal(x.grad, 2 * b)
+
+
 def test_explicit_entries_equal_autograd():
     inputs, do = make_inputs(CU, dtype=torch.float32, seed=2)
     ctx = kda_kcp.build_context_kcp(CU)
