@@ -1,5 +1,6 @@
 // Device helpers shared by the kda_kcp kernels: bf16 tensor-core mma (m16n8k16, portable to
-// sm_90a / sm_100a / sm_103a), ldmatrix fragment loads from XOR-swizzled shared tiles, cp.async.
+// sm_90a / sm_100a / sm_103a), ldmatrix fragment loads from XOR-swizzled shared tiles, cp.async, and the
+// sm_90a warpgroup mma (wgmma) where a kernel has one.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -146,6 +147,68 @@ __device__ __forceinline__ int thread_index() {
   return t;
 }
 
+// ---- wgmma (sm_90a only; KDA_HAS_WGMMA says whether this compilation has it) ----
+// A warpgroup (4 consecutive warps) computes a 64 x N product: A from registers, warp w of the group
+// supplying rows 16 w .. 16 w + 15 in the m16n8k16 A-fragment layout (so an S^T held as mma accumulators is
+// a ready A operand), B (16 x N) from shared memory through a descriptor, D in the accumulator layout of N / 8
+// m16n8 tiles per warp. B tiles are K-major in the canonical 128-byte swizzle: rows (the N index) of 64
+// bf16 (128 bytes) with the 16-byte chunk index XOR-ed with (row & 7), i.e. sw64, in 1024-byte groups of
+// 8 rows; a tile with 128 keys is stored as two such 64-key halves (swh below).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KDA_HAS_WGMMA 1
+#else
+#define KDA_HAS_WGMMA 0
+#endif
+// Element offset of (r, c) in a [rows][128] bf16 tile stored as two [rows][64] halves (c < 64 first) of
+// sw64 rows: the wgmma K-major layout when the tile has 64 rows (a half is 4096 elements).
+__device__ __forceinline__ int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
+// Descriptor of a K-major 128-byte-swizzled B tile at `tile` (1024-byte aligned): start address, leading
+// byte offset 16 (unused by this layout), 8-row groups 1024 bytes apart, layout 1 = 128-byte swizzle.
+// The k-th 16-key step inside a 64-key half starts 32 k bytes later (add 2 k to the descriptor).
+__device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
+  return static_cast<uint64_t>((smem_u32(tile) & 0x3FFFF) >> 4) | (uint64_t(1) << 16) |
+         (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+// Keeps a register live and in place across this point (the compiler cannot move its reads or writes over
+// it): wgmma reads its A registers and writes its accumulators asynchronously, until wgmma_wait0.
+__device__ __forceinline__ void fence_reg(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_reg(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+template <int N>
+__device__ __forceinline__ void fence_frags(float (&t)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_reg(t[n][e]);
+}
+template <int N>
+__device__ __forceinline__ void fence_frags(uint32_t (&t)[N][4]) {
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_reg(t[n][e]);
+}
+#if KDA_HAS_WGMMA
+// shared memory written by ordinary stores or cp.async, then read by wgmma (the async proxy)
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// D (this warp's 16 rows x 64 columns) += A (16 x 16, registers) B (16 x 64 via desc), FP32 accumulators
+__device__ __forceinline__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+#endif
 // ---- cp.async (16 bytes, zero-filled when !valid) ----
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),

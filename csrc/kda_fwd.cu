@@ -2,11 +2,13 @@
 //   1. prep_kernel, one CTA per (chunk, head), 2 CTAs per SM: cumsum, anchored operands, L and Aqk on
 //      tensor cores, A = (I + L)^-1 in FP32, W = A diag(beta) (K o exp G); writes one record per
 //      (chunk, head) (kda_fwd.h): -W, Qg, Kg (bf16), Aqk and A diag(beta) (bf16 hi + lo, lower
-//      blocks only), gamma (fp32). 1,096 B per token-head.
+//      blocks only), gamma (fp32). 1,096 B per token-head. -W and Qg are stored as two 64-key halves
+//      (swh), the layout wgmma reads them in.
 //   2. walk_kernel<OUT, NW>, one CTA per (segment, head, value tile of 16 NW columns): the state columns
 //      of the tile in registers (mma accumulator layout, S transposed, one warp per 16 columns), chunks in
 //      order; per chunk U = A diag(beta) V[:, tile], V_new = U - W S, O = Qg S + Aqk V_new,
-//      S = Diag(gamma) S + Kg^T V_new. The record of chunk c + 1 streams in (cp.async, three groups)
+//      S = Diag(gamma) S + Kg^T V_new. On sm_90a (WalkCfg::WGMMA) a warpgroup computes W S and Qg S with
+//      wgmma: S^T from the warps' registers, W and Qg read once from shared memory for all four warps. The record of chunk c + 1 streams in (cp.async, three groups)
 //      while chunk c is computed. OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
 //   3. the FP32 affine merge of segment summaries (kda_affine_merge.cuh, shared with the backward).
 // Precision (NOTES.md): A diag(beta), Aqk and Aqk's operands, S and V_new carried as bf16 hi + lo.
@@ -72,8 +74,10 @@ struct FwdRecord {
     st_u32(rec + R_AQH, tri_off(tri_blk(I, J), r, c), hi);
     st_u32(rec + R_AQL, tri_off(tri_blk(I, J), r, c), lo);
   }
+  // piece p of the staged sw128 tile (row p / 16, chunk p % 16) goes to its swh place: the half (chunk / 8),
+  // row and in-half chunk keep their values, so the swizzle carries over
   static __device__ __forceinline__ void qg_kg_piece(char* rec, int p, uint4 qg, uint4 kg) {
-    *reinterpret_cast<uint4*>(rec + R_QG + p * 16) = qg;
+    *reinterpret_cast<uint4*>(rec + R_QG + (((p >> 3) & 1) * 512 + (p >> 4) * 8 + (p & 7)) * 16) = qg;
     *reinterpret_cast<uint4*>(rec + R_KG + p * 16) = kg;
   }
   static __device__ __forceinline__ void ab(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
@@ -81,7 +85,7 @@ struct FwdRecord {
     st_u32(rec + R_ABL, tri_off(tri_blk(I, J), r, c), lo);
   }
   static __device__ __forceinline__ void w(char* rec, int i, int j, float x0, float x1) {  // stored negated
-    st_u32(rec + R_W, sw128(i, j), pack_bf16(-x0, -x1));
+    st_u32(rec + R_W, swh(i, j), pack_bf16(-x0, -x1));
   }
 };
 
@@ -106,6 +110,9 @@ struct WalkCfg {
   static constexpr int S_V = R_END;                   // bf16 [64][VT] swizzled (rows of VT)
   static constexpr int S_O = S_V + C * VT * 2;        // per warp bf16 [64][16] o staging
   static constexpr int SMEM = S_O + (OUT ? NW * 2048 : 0);
+  // W S and Qg S by wgmma: sm_90a and whole warpgroups (NW = 2 keeps mma.sync, like sm_100a / sm_103a)
+  static constexpr bool WGMMA = KDA_HAS_WGMMA && NW % 4 == 0;
+  static_assert(R_W % 1024 == 0 && R_QG % 1024 == 0, "wgmma B tiles start on 1024-byte swizzle groups");
 };
 
 template <int NT>
@@ -118,6 +125,9 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   using Cfg = WalkCfg<OUT, NW>;
   constexpr int VT = Cfg::VT, NT = Cfg::NT;
   extern __shared__ __align__(128) char smem[];
+  // wgmma's swizzle is on address bits: the B tiles must start on 1024-byte boundaries of the shared window
+  // (dynamic shared memory starts on one when the kernel has no static shared memory, as here)
+  if (Cfg::WGMMA && (smem_u32(smem) & 1023) != 0) __trap();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int tile = blockIdx.x, seg = blockIdx.y, h = blockIdx.z;
   const int H = a.H;
@@ -235,8 +245,11 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
         }
       }
     }
-    // B2: WQ(ch) landed; group A is free: stream A(ch + 1) in
+    // B2: WQ(ch) landed (and, for wgmma, made visible to the async proxy); group A is free: stream A(ch + 1) in
     cp_async_wait1();
+#if KDA_HAS_WGMMA
+    if constexpr (Cfg::WGMMA) fence_async_smem();
+#endif
     __syncthreads();
     if (has_next) issue_a(ch + 1);
     cp_async_commit();
@@ -244,21 +257,50 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     // ---- V_new^T = U^T + S^T (-W)^T ; O^T = S^T Qg^T (S as hi + lo; hi only under KDA_WALK_HI_ONLY) ----
     float O[8][4];
     zero_frags(O);
+    if constexpr (Cfg::WGMMA) {
+#if KDA_HAS_WGMMA
+      uint32_t sh[8][4], sl[8][4];
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) {
-      uint32_t sh[4], sl[4];
-      split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
+      for (int ks = 0; ks < 8; ++ks) split_afrag(ST[2 * ks], ST[2 * ks + 1], sh[ks], sl[ks]);
+      fence_frags(VN);
+      fence_frags(O);
+      wgmma_fence();  // VN (U) and the A registers were written by ordinary instructions
+      const uint64_t dw = sw128_desc(sW), dq = sw128_desc(sQg);
 #pragma unroll
-      for (int np = 0; np < 4; ++np) {
-        uint32_t bw[4];
-        ldb<128>(bw, sW, ks * 16, np * 16, lane);
-        mma_n16(VN[2 * np], VN[2 * np + 1], sh, bw);
-        if constexpr (kWalkSLo) mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
+      for (int ks = 0; ks < 8; ++ks) {
+        const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;  // half, then 32 bytes per 16 keys
+        wgmma_n64_rs(VN, sh[ks], dw + k);
+        if constexpr (kWalkSLo) wgmma_n64_rs(VN, sl[ks], dw + k);
         if constexpr (OUT) {
-          uint32_t bq[4];
-          ldb<128>(bq, sQg, ks * 16, np * 16, lane);
-          mma_n16(O[2 * np], O[2 * np + 1], sh, bq);
-          if constexpr (kWalkSLo) mma_n16(O[2 * np], O[2 * np + 1], sl, bq);
+          wgmma_n64_rs(O, sh[ks], dq + k);
+          if constexpr (kWalkSLo) wgmma_n64_rs(O, sl[ks], dq + k);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_frags(VN);
+      fence_frags(O);
+      fence_frags(sh);
+      fence_frags(sl);
+#endif
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        uint32_t sh[4], sl[4];
+        split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
+        const int hk = (ks >> 2) * 4096, k0 = (ks & 3) * 16;  // the 64-key half and the step inside it
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t bw[4];
+          ldb<64>(bw, sW + hk, k0, np * 16, lane);
+          mma_n16(VN[2 * np], VN[2 * np + 1], sh, bw);
+          if constexpr (kWalkSLo) mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
+          if constexpr (OUT) {
+            uint32_t bq[4];
+            ldb<64>(bq, sQg + hk, k0, np * 16, lane);
+            mma_n16(O[2 * np], O[2 * np + 1], sh, bq);
+            if constexpr (kWalkSLo) mma_n16(O[2 * np], O[2 * np + 1], sl, bq);
+          }
         }
       }
     }

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <barrier>
 #include <thread>
 #include <vector>
@@ -34,6 +35,7 @@ inline thread_local uint3e threadIdx, blockIdx;
 #define __align__(n) alignas(n)
 #define __shared__ static
 #define __constant__ static
+[[noreturn]] inline void __trap() { std::abort(); }
 
 // ---- block / warp context ----
 struct WarpCtx {
@@ -49,7 +51,7 @@ struct BlockCtx {
 inline BlockCtx* g_block = nullptr;
 inline thread_local WarpCtx* t_warp = nullptr;
 inline thread_local int t_lane = 0;
-alignas(128) inline char g_smem[256 * 1024];
+alignas(1024) inline char g_smem[256 * 1024];
 inline void __syncthreads() { g_block->bar->arrive_and_wait(); }
 inline void __syncwarp() { t_warp->bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {

@@ -133,4 +133,61 @@ inline void split_afrag(const float (&t0)[4], const float (&t1)[4], uint32_t (&h
 }
 inline void negate_split(uint32_t (&hi)[4], uint32_t (&lo)[4]) { for (int e = 0; e < 4; ++e) { hi[e] ^= 0x80008000u; lo[e] ^= 0x80008000u; } }
 inline void cp_async_wait1() { t_async.wait(1); }
+// ---- wgmma: each warp's 16 rows of the warpgroup's 64 x N product are independent of the other warps'
+// (A from the warp's own registers, B shared), so a warp computes its part alone. B is read through the
+// descriptor as the hardware reads it: start address, 8-row groups SBO bytes apart, rows 128 bytes apart,
+// then the 128-byte swizzle applied to the address bits (bits 4-6 XOR bits 7-9). A descriptor this code does
+// not model (another layout or group stride, a start outside the first row of a 1024-byte group) aborts.
+// The emulation runs it synchronously: a missing fence or wait is not caught here.
+#define KDA_HAS_WGMMA 1
+inline uint32_t smem_u32(const void* p) { return uint32_t(static_cast<const char*>(p) - g_smem); }
+inline int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
+inline uint64_t sw128_desc(const void* tile) {
+  return uint64_t((smem_u32(tile) & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+inline void fence_reg(float&) {}
+inline void fence_reg(uint32_t&) {}
+template <int N, class T> inline void fence_frags(T (&)[N][4]) {}
+inline void fence_async_smem() {}
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+inline void wgmma_wait0() {}
+inline void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+  const uint32_t start = uint32_t(desc & 0x3FFF) << 4, sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
+  if ((desc >> 62) != 1 || sbo != 1024 || (start & 0x380) != 0) {
+    std::fprintf(stderr, "wgmma: descriptor %llx not modelled\n", static_cast<unsigned long long>(desc));
+    std::abort();
+  }
+  WarpCtx* w = t_warp;
+  const int l = t_lane;
+  for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
+  w->bar.arrive_and_wait();
+  float A[16][16];
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    const uint32_t* u = w->u[L];
+    for (int e = 0; e < 2; ++e) {
+      A[g][2 * t + e] = bf(u[0], e);
+      A[g + 8][2 * t + e] = bf(u[1], e);
+      A[g][2 * t + 8 + e] = bf(u[2], e);
+      A[g + 8][2 * t + 8 + e] = bf(u[3], e);
+    }
+  }
+  w->bar.arrive_and_wait();
+  auto b = [&](int k, int n) {
+    uint32_t addr = start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
+    addr ^= ((addr >> 7) & 7) << 4;
+    __nv_bfloat16 x{b16at(g_smem, addr / 2)};
+    return __bfloat162float(x);
+  };
+  const int g = l >> 2, t = l & 3;
+  for (int n8 = 0; n8 < 8; ++n8)
+    for (int e = 0; e < 4; ++e) {
+      const int row = g + 8 * (e >> 1), col = n8 * 8 + 2 * t + (e & 1);
+      double s = d[n8][e];
+      for (int k = 0; k < 16; ++k) s += double(A[row][k]) * double(b(k, col));
+      d[n8][e] = float(s);
+    }
+}
 }  // namespace kda

@@ -233,6 +233,13 @@ def _sw128_index():
     return (r * 128 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7)).reshape(-1)  # element (r, c) -> offset
 
 
+def _swh_index():
+    """-W and Qg: two [64][64] halves (keys < 64 first) of sw64 rows, the layout wgmma reads (kda_common.cuh swh)."""
+    r = torch.arange(64).view(64, 1)
+    c = torch.arange(128).view(1, 128)
+    return ((c >> 6) * 4096 + r * 64 + ((((c & 63) >> 3) ^ (r & 7)) << 3) + (c & 7)).reshape(-1)
+
+
 def _tri_index():
     """[10 * 256] offsets of the lower blocks' elements, in TRI_BLOCKS order, rows and cols of 16."""
     r = torch.arange(16).view(16, 1)
@@ -265,9 +272,9 @@ def encode_records(rec) -> torch.Tensor:
     prep kernel does: single for -W, Qg, Kg; hi + lo for Aqk and A diag(beta))."""
     N, H = rec["W"].shape[:2]
     out = torch.zeros(N, H, R_END, dtype=torch.uint8)
-    sw, tri = _sw128_index(), _tri_index()
-
-    for name, off, sign in (("W", R_W, -1.0), ("Qg", R_QG, 1.0), ("Kg", R_KG, 1.0)):
+    tri = _tri_index()
+    for name, off, sign, sw in (("W", R_W, -1.0, _swh_index()), ("Qg", R_QG, 1.0, _swh_index()),
+                                ("Kg", R_KG, 1.0, _sw128_index())):
         buf = torch.zeros(N, H, 64 * 128, dtype=torch.bfloat16)
         buf[..., sw] = (sign * rec[name]).reshape(N, H, -1).bfloat16()
         out[..., off:off + 16384] = buf.view(torch.uint8)
@@ -283,9 +290,10 @@ def encode_records(rec) -> torch.Tensor:
 
 def decode_records(raw: torch.Tensor, N: int, H: int) -> dict:
     raw = raw.reshape(N, H, R_END).cpu()
-    sw, tri = _sw128_index(), _tri_index()
+    tri = _tri_index()
     dec = {}
-    for name, off, sign in (("W", R_W, -1.0), ("Qg", R_QG, 1.0), ("Kg", R_KG, 1.0)):
+    for name, off, sign, sw in (("W", R_W, -1.0, _swh_index()), ("Qg", R_QG, 1.0, _swh_index()),
+                                ("Kg", R_KG, 1.0, _sw128_index())):
         buf = raw[..., off:off + 16384].contiguous().view(torch.bfloat16)
         dec[name] = sign * buf[..., sw].float().reshape(N, H, 64, 128)
     for name, offh, offl in (("Aqk", R_AQH, R_AQL), ("Ab", R_ABH, R_ABL)):
@@ -301,6 +309,7 @@ def test_record_layout_roundtrip():
     bijections inside their tiles (every byte of a record written once)."""
     sw, tri = _sw128_index(), _tri_index()
     assert sorted(sw.tolist()) == list(range(64 * 128))
+    assert sorted(_swh_index().tolist()) == list(range(64 * 128))
     assert sorted(tri.tolist()) == list(range(2560))
     gen = torch.Generator().manual_seed(7)
     cu = [0, 100, 230]
