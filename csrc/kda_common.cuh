@@ -162,11 +162,13 @@ __device__ __forceinline__ int thread_index() {
 // Element offset of (r, c) in a [rows][128] bf16 tile stored as two [rows][64] halves (c < 64 first) of
 // sw64 rows: the wgmma K-major layout when the tile has 64 rows (a half is 4096 elements).
 __device__ __forceinline__ int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
-// Descriptor of a K-major 128-byte-swizzled B tile at `tile` (1024-byte aligned): start address, leading
-// byte offset 16 (unused by this layout), 8-row groups 1024 bytes apart, layout 1 = 128-byte swizzle.
-// The k-th 16-key step inside a 64-key half starts 32 k bytes later (add 2 k to the descriptor).
-__device__ __forceinline__ uint64_t sw128_desc(const void* tile) {
-  return static_cast<uint64_t>((smem_u32(tile) & 0x3FFFF) >> 4) | (uint64_t(1) << 16) |
+// Descriptor of a 128-byte-swizzled B tile at `tile` (1024-byte aligned), layout 1 = 128-byte swizzle, 8-row
+// groups 1024 bytes apart. K-major (rows = N): the leading byte offset is unused (16); the k-th 16-key step
+// inside a 64-key half starts 32 k bytes later (add 2 k to the descriptor). MN-major (rows = K, 64 N-values per
+// row; wgmma's transposed B): `lbo` bytes between the 64-column halves of N, and a 16-row K step starts 2048
+// bytes later.
+__device__ __forceinline__ uint64_t sw128_desc(const void* tile, uint32_t lbo = 16) {
+  return static_cast<uint64_t>((smem_u32(tile) & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) |
          (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 // Keeps a register live and in place across this point (the compiler cannot move its reads or writes over
@@ -188,6 +190,8 @@ __device__ __forceinline__ void fence_frags(uint32_t (&t)[N][4]) {
     for (int e = 0; e < 4; ++e) fence_reg(t[n][e]);
 }
 #if KDA_HAS_WGMMA
+// the 64 accumulator operands of an m64n128 wgmma (d[16][4])
+#define KDA_WGMMA_ACC64(d) "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 // shared memory written by ordinary stores or cp.async, then read by wgmma (the async proxy)
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -208,6 +212,20 @@ __device__ __forceinline__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&
         "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
+// D (this warp's 16 rows x 128 columns) += A (16 x 16, registers) B (16 x 128, MN-major via desc)
+__device__ __forceinline__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : KDA_WGMMA_ACC64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+#undef KDA_WGMMA_ACC64
 #endif
 // ---- cp.async (16 bytes, zero-filled when !valid) ----
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {

@@ -2,14 +2,17 @@
 //   1. prep_kernel, one CTA per (chunk, head), 2 CTAs per SM: cumsum, anchored operands, L and Aqk on
 //      tensor cores, A = (I + L)^-1 in FP32, W = A diag(beta) (K o exp G); writes one record per
 //      (chunk, head) (kda_fwd.h): -W, Qg, Kg (bf16), Aqk and A diag(beta) (bf16 hi + lo, lower
-//      blocks only), gamma (fp32). 1,096 B per token-head. -W and Qg are stored as two 64-key halves
-//      (swh), the layout wgmma reads them in.
+//      blocks only), gamma (fp32). 1,096 B per token-head. -W, Qg and Kg are stored as two 64-key halves
+//      (swh), the layouts wgmma reads them in (K-major for -W and Qg, MN-major for Kg).
 //   2. walk_kernel<OUT, NW>, one CTA per (segment, head, value tile of 16 NW columns): the state columns
 //      of the tile in registers (mma accumulator layout, S transposed, one warp per 16 columns), chunks in
 //      order; per chunk U = A diag(beta) V[:, tile], V_new = U - W S, O = Qg S + Aqk V_new,
-//      S = Diag(gamma) S + Kg^T V_new. On sm_90a (WalkCfg::WGMMA) a warpgroup computes W S and Qg S with
-//      wgmma: S^T from the warps' registers, W and Qg read once from shared memory for all four warps. The record of chunk c + 1 streams in (cp.async, three groups)
-//      while chunk c is computed. OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
+//      S = Diag(gamma) S + Kg^T V_new. On sm_90a (WalkCfg::WGMMA) a warpgroup computes W S, Qg S and
+//      Kg^T V_new with wgmma: S^T and V_new^T from the warps' registers, W, Qg and Kg read once from shared
+//      memory for all four warps.
+//      The record of chunk c + 1 streams in (cp.async, three groups) while chunk c is computed; the group
+//      read last (Kg, Aqk, gamma) has two slots, so it is requested a whole step before it is read.
+//      OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
 //   3. the FP32 affine merge of segment summaries (kda_affine_merge.cuh, shared with the backward).
 // Precision (NOTES.md): A diag(beta), Aqk and Aqk's operands, S and V_new carried as bf16 hi + lo.
 #include "kda_chunk_prep.cuh"
@@ -77,8 +80,9 @@ struct FwdRecord {
   // piece p of the staged sw128 tile (row p / 16, chunk p % 16) goes to its swh place: the half (chunk / 8),
   // row and in-half chunk keep their values, so the swizzle carries over
   static __device__ __forceinline__ void qg_kg_piece(char* rec, int p, uint4 qg, uint4 kg) {
-    *reinterpret_cast<uint4*>(rec + R_QG + (((p >> 3) & 1) * 512 + (p >> 4) * 8 + (p & 7)) * 16) = qg;
-    *reinterpret_cast<uint4*>(rec + R_KG + p * 16) = kg;
+    const int at = (((p >> 3) & 1) * 512 + (p >> 4) * 8 + (p & 7)) * 16;
+    *reinterpret_cast<uint4*>(rec + R_QG + at) = qg;
+    *reinterpret_cast<uint4*>(rec + R_KG + at) = kg;
   }
   static __device__ __forceinline__ void ab(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
     st_u32(rec + R_ABH, tri_off(tri_blk(I, J), r, c), hi);
@@ -109,10 +113,13 @@ struct WalkCfg {
   static constexpr int TILES = (OUT ? D : 2 * D) / VT;  // CTAs per (segment, head)
   static constexpr int S_V = R_END;                   // bf16 [64][VT] swizzled (rows of VT)
   static constexpr int S_O = S_V + C * VT * 2;        // per warp bf16 [64][16] o staging
-  static constexpr int SMEM = S_O + (OUT ? NW * 2048 : 0);
+  // the second slot of group AK ([R_KG, R_ABH) of the record), 1024-byte aligned like the first
+  static constexpr int S_AK1 = (S_O + (OUT ? NW * 2048 : 0) + 1023) / 1024 * 1024;
+  static constexpr int SMEM = S_AK1 + (R_ABH - R_KG);
   // W S and Qg S by wgmma: sm_90a and whole warpgroups (NW = 2 keeps mma.sync, like sm_100a / sm_103a)
   static constexpr bool WGMMA = KDA_HAS_WGMMA && NW % 4 == 0;
-  static_assert(R_W % 1024 == 0 && R_QG % 1024 == 0, "wgmma B tiles start on 1024-byte swizzle groups");
+  static_assert(R_W % 1024 == 0 && R_QG % 1024 == 0 && R_KG % 1024 == 0 && S_AK1 % 1024 == 0,
+                "wgmma B tiles start on 1024-byte swizzle groups");
 };
 
 template <int NT>
@@ -149,10 +156,8 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 
   const __nv_bfloat16* sW = reinterpret_cast<const __nv_bfloat16*>(smem + R_W);
   const __nv_bfloat16* sQg = reinterpret_cast<const __nv_bfloat16*>(smem + R_QG);
-  const __nv_bfloat16* sKg = reinterpret_cast<const __nv_bfloat16*>(smem + R_KG);
-  const __nv_bfloat16* sAqh = reinterpret_cast<const __nv_bfloat16*>(smem + R_AQH);
-  const __nv_bfloat16* sAql = reinterpret_cast<const __nv_bfloat16*>(smem + R_AQL);
-  const float* sGam = reinterpret_cast<const float*>(smem + R_GAM);
+  // group AK of chunk ch sits in slot ch & 1: the record's own offsets, shifted by ak_shift for slot 1
+  auto ak_shift = [](int ch) { return (ch & 1) ? Cfg::S_AK1 - R_KG : 0; };
   const __nv_bfloat16* sAbh = reinterpret_cast<const __nv_bfloat16*>(smem + R_ABH);
   const __nv_bfloat16* sAbl = reinterpret_cast<const __nv_bfloat16*>(smem + R_ABL);
   __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + Cfg::S_V);
@@ -179,11 +184,12 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   auto issue_wq = [&](int ch) { copy_range<NT>(smem, record(ch), R_W, OUT ? 32768 : 16384, tid); };
   // group AK: Kg, (Aqk hi + lo,) gamma
   auto issue_ak = [&](int ch) {
+    char* slot = smem + ak_shift(ch);
     if (OUT) {
-      copy_range<NT>(smem, record(ch), R_KG, R_ABH - R_KG, tid);
+      copy_range<NT>(slot, record(ch), R_KG, R_ABH - R_KG, tid);
     } else {
-      copy_range<NT>(smem, record(ch), R_KG, 16384, tid);
-      copy_range<NT>(smem, record(ch), R_GAM, 512, tid);
+      copy_range<NT>(slot, record(ch), R_KG, 16384, tid);
+      copy_range<NT>(slot, record(ch), R_GAM, 512, tid);
     }
   };
 
@@ -212,6 +218,8 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   }
 
   if (nchunks > 0) {
+    issue_ak(0);  // the steady state's order: AK(ch), A(ch), WQ(ch) are committed during step ch - 1
+    cp_async_commit();
     issue_a(0);
     cp_async_commit();
     issue_wq(0);
@@ -219,11 +227,20 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   }
   for (int ch = 0; ch < nchunks; ++ch) {
     const bool has_next = ch + 1 < nchunks;
-    // B1: group A(ch) landed; every warp is done with AK(ch - 1): stream AK(ch) in
+    // B1: groups AK(ch) and A(ch) landed (Kg made visible to wgmma); every warp is done with AK(ch - 1): stream
+    // AK(ch + 1) into its slot
     cp_async_wait1();
+#if KDA_HAS_WGMMA
+    if constexpr (Cfg::WGMMA) fence_async_smem();
+#endif
     __syncthreads();
-    issue_ak(ch);
+    if (has_next) issue_ak(ch + 1);
     cp_async_commit();
+    const char* ak = smem + ak_shift(ch);
+    const __nv_bfloat16* sKg = reinterpret_cast<const __nv_bfloat16*>(ak + R_KG);
+    const __nv_bfloat16* sAqh = reinterpret_cast<const __nv_bfloat16*>(ak + R_AQH);
+    const __nv_bfloat16* sAql = reinterpret_cast<const __nv_bfloat16*>(ak + R_AQL);
+    const float* sGam = reinterpret_cast<const float*>(ak + R_GAM);
 
     // ---- U^T = V^T (A diag(beta))^T ----
     float VN[8][4];
@@ -304,8 +321,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
         }
       }
     }
-    // B3: AK(ch) landed; WQ is free: stream WQ(ch + 1) in
-    cp_async_wait1();
+    // B3: WQ is free: stream WQ(ch + 1) in
     __syncthreads();
     if (has_next) issue_wq(ch + 1);
     cp_async_commit();
@@ -365,8 +381,28 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       ST[nt][2] *= ga.x;
       ST[nt][3] *= ga.y;
     }
+    if constexpr (Cfg::WGMMA) {
+#if KDA_HAS_WGMMA
+      fence_frags(ST);
+      fence_frags(vh);
+      fence_frags(vl);
+      wgmma_fence();  // ST (scaled by gamma) and V_new^T were written by ordinary instructions
+      const uint64_t dk = sw128_desc(sKg, 8192);  // MN-major: the 64-key halves 8192 bytes apart
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
+      for (int ks = 0; ks < 4; ++ks) {
+        wgmma_n128_rs_mn(ST, vh[ks], dk + ks * (2048 >> 4));
+        if constexpr (!KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY) wgmma_n128_rs_mn(ST, vl[ks], dk + ks * (2048 >> 4));
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_frags(ST);
+      fence_frags(vh);
+      fence_frags(vl);
+#endif
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) state_tile_rank16<true>(ST, vh[ks], vl[ks], sKg, ks, lane);
+    }
   }
   cp_async_wait_all();
 

@@ -136,14 +136,15 @@ inline void cp_async_wait1() { t_async.wait(1); }
 // ---- wgmma: each warp's 16 rows of the warpgroup's 64 x N product are independent of the other warps'
 // (A from the warp's own registers, B shared), so a warp computes its part alone. B is read through the
 // descriptor as the hardware reads it: start address, 8-row groups SBO bytes apart, rows 128 bytes apart,
-// then the 128-byte swizzle applied to the address bits (bits 4-6 XOR bits 7-9). A descriptor this code does
-// not model (another layout or group stride, a start outside the first row of a 1024-byte group) aborts.
+// (MN-major: 64-column halves of N LBO bytes apart), then the 128-byte swizzle applied to the address bits
+// (bits 4-6 XOR bits 7-9). A descriptor this code does not model (another layout or group stride, a start
+// outside the first row of a 1024-byte group, or not on one for MN-major) aborts.
 // The emulation runs it synchronously: a missing fence or wait is not caught here.
 #define KDA_HAS_WGMMA 1
 inline uint32_t smem_u32(const void* p) { return uint32_t(static_cast<const char*>(p) - g_smem); }
 inline int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
-inline uint64_t sw128_desc(const void* tile) {
-  return uint64_t((smem_u32(tile) & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+inline uint64_t sw128_desc(const void* tile, uint32_t lbo = 16) {
+  return uint64_t((smem_u32(tile) & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
          (uint64_t(1) << 62);
 }
 inline void fence_reg(float&) {}
@@ -153,9 +154,11 @@ inline void fence_async_smem() {}
 inline void wgmma_fence() {}
 inline void wgmma_commit() {}
 inline void wgmma_wait0() {}
-inline void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+template <int N8, bool MN>
+inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
   const uint32_t start = uint32_t(desc & 0x3FFF) << 4, sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
-  if ((desc >> 62) != 1 || sbo != 1024 || (start & 0x380) != 0) {
+  const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFF) << 4;
+  if ((desc >> 62) != 1 || sbo != 1024 || (start & (MN ? 0x3FF : 0x380)) != 0) {
     std::fprintf(stderr, "wgmma: descriptor %llx not modelled\n", static_cast<unsigned long long>(desc));
     std::abort();
   }
@@ -175,14 +178,15 @@ inline void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc
     }
   }
   w->bar.arrive_and_wait();
-  auto b = [&](int k, int n) {
-    uint32_t addr = start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
+  auto b = [&](int k, int n) {  // B(k, n): K-major rows are n, MN-major rows are k
+    uint32_t addr = MN ? start + uint32_t(n >> 6) * lbo + uint32_t(k >> 3) * sbo + uint32_t(k & 7) * 128 + 2 * (n & 63)
+                       : start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
     addr ^= ((addr >> 7) & 7) << 4;
     __nv_bfloat16 x{b16at(g_smem, addr / 2)};
     return __bfloat162float(x);
   };
   const int g = l >> 2, t = l & 3;
-  for (int n8 = 0; n8 < 8; ++n8)
+  for (int n8 = 0; n8 < N8; ++n8)
     for (int e = 0; e < 4; ++e) {
       const int row = g + 8 * (e >> 1), col = n8 * 8 + 2 * t + (e & 1);
       double s = d[n8][e];
@@ -190,4 +194,6 @@ inline void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc
       d[n8][e] = float(s);
     }
 }
+inline void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<8, false>(d, a, desc); }
+inline void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<16, true>(d, a, desc); }
 }  // namespace kda

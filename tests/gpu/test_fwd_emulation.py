@@ -227,14 +227,8 @@ R_W, R_QG, R_KG, R_AQH, R_AQL, R_GAM, R_ABH, R_ABL, R_END = 0, 16384, 32768, 491
 TRI_BLOCKS = [(I, J) for I in range(4) for J in range(I + 1)]  # block index I (I + 1) / 2 + J
 
 
-def _sw128_index():
-    r = torch.arange(64).view(64, 1)
-    c = torch.arange(128).view(1, 128)
-    return (r * 128 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7)).reshape(-1)  # element (r, c) -> offset
-
-
 def _swh_index():
-    """-W and Qg: two [64][64] halves (keys < 64 first) of sw64 rows, the layout wgmma reads (kda_common.cuh swh)."""
+    """-W, Qg and Kg: two [64][64] halves (keys < 64 first) of sw64 rows, the layouts wgmma reads (kda_common.cuh swh)."""
     r = torch.arange(64).view(64, 1)
     c = torch.arange(128).view(1, 128)
     return ((c >> 6) * 4096 + r * 64 + ((((c & 63) >> 3) ^ (r & 7)) << 3) + (c & 7)).reshape(-1)
@@ -274,7 +268,7 @@ def encode_records(rec) -> torch.Tensor:
     out = torch.zeros(N, H, R_END, dtype=torch.uint8)
     tri = _tri_index()
     for name, off, sign, sw in (("W", R_W, -1.0, _swh_index()), ("Qg", R_QG, 1.0, _swh_index()),
-                                ("Kg", R_KG, 1.0, _sw128_index())):
+                                ("Kg", R_KG, 1.0, _swh_index())):
         buf = torch.zeros(N, H, 64 * 128, dtype=torch.bfloat16)
         buf[..., sw] = (sign * rec[name]).reshape(N, H, -1).bfloat16()
         out[..., off:off + 16384] = buf.view(torch.uint8)
@@ -293,7 +287,7 @@ def decode_records(raw: torch.Tensor, N: int, H: int) -> dict:
     tri = _tri_index()
     dec = {}
     for name, off, sign, sw in (("W", R_W, -1.0, _swh_index()), ("Qg", R_QG, 1.0, _swh_index()),
-                                ("Kg", R_KG, 1.0, _sw128_index())):
+                                ("Kg", R_KG, 1.0, _swh_index())):
         buf = raw[..., off:off + 16384].contiguous().view(torch.bfloat16)
         dec[name] = sign * buf[..., sw].float().reshape(N, H, 64, 128)
     for name, offh, offl in (("Aqk", R_AQH, R_AQL), ("Ab", R_ABH, R_ABL)):
@@ -307,9 +301,8 @@ def decode_records(raw: torch.Tensor, N: int, H: int) -> dict:
 def test_record_layout_roundtrip():
     """encode -> decode gives the records back (to bf16 / hi + lo rounding), and the index maps are
     bijections inside their tiles (every byte of a record written once)."""
-    sw, tri = _sw128_index(), _tri_index()
+    sw, tri = _swh_index(), _tri_index()
     assert sorted(sw.tolist()) == list(range(64 * 128))
-    assert sorted(_swh_index().tolist()) == list(range(64 * 128))
     assert sorted(tri.tolist()) == list(range(2560))
     gen = torch.Generator().manual_seed(7)
     cu = [0, 100, 230]
