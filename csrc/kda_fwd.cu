@@ -116,7 +116,8 @@ struct WalkCfg {
   // the second slot of group AK ([R_KG, R_ABH) of the record), 1024-byte aligned like the first
   static constexpr int S_AK1 = (S_O + (OUT ? NW * 2048 : 0) + 1023) / 1024 * 1024;
   static constexpr int SMEM = S_AK1 + (R_ABH - R_KG);
-  // W S and Qg S by wgmma: sm_90a and whole warpgroups (NW = 2 keeps mma.sync, like sm_100a / sm_103a)
+  // W S, Qg S and the S update by wgmma: sm_90a and whole warpgroups (NW = 2 keeps mma.sync, like sm_100a /
+  // sm_103a)
   static constexpr bool WGMMA = KDA_HAS_WGMMA && NW % 4 == 0;
   static_assert(R_W % 1024 == 0 && R_QG % 1024 == 0 && R_KG % 1024 == 0 && S_AK1 % 1024 == 0,
                 "wgmma B tiles start on 1024-byte swizzle groups");
