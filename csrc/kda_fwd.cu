@@ -9,10 +9,8 @@
 //      order; per chunk U = A diag(beta) V[:, tile], V_new = U - W S, O = Qg S + Aqk V_new,
 //      S = Diag(gamma) S + Kg^T V_new. On sm_90a (WalkCfg::WGMMA) a warpgroup computes W S, Qg S and
 //      Kg^T V_new with wgmma: S^T and V_new^T from the warps' registers, W, Qg and Kg read once from shared
-//      memory for all four warps.
-//      The record of chunk c + 1 streams in (cp.async, three groups) while chunk c is computed; the group
-//      read last (Kg, Aqk, gamma) has two slots, so it is requested a whole step before it is read.
-//      OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
+//      memory for all four warps. The record of chunk c + 1 streams in (cp.async, three groups) while
+//      chunk c is computed. OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
 //   3. the FP32 affine merge of segment summaries (kda_affine_merge.cuh, shared with the backward).
 // Precision (NOTES.md): A diag(beta), Aqk and Aqk's operands, S and V_new carried as bf16 hi + lo.
 #include "kda_chunk_prep.cuh"
@@ -113,13 +111,11 @@ struct WalkCfg {
   static constexpr int TILES = (OUT ? D : 2 * D) / VT;  // CTAs per (segment, head)
   static constexpr int S_V = R_END;                   // bf16 [64][VT] swizzled (rows of VT)
   static constexpr int S_O = S_V + C * VT * 2;        // per warp bf16 [64][16] o staging
-  // the second slot of group AK ([R_KG, R_ABH) of the record), 1024-byte aligned like the first
-  static constexpr int S_AK1 = (S_O + (OUT ? NW * 2048 : 0) + 1023) / 1024 * 1024;
-  static constexpr int SMEM = S_AK1 + (R_ABH - R_KG);
+  static constexpr int SMEM = S_O + (OUT ? NW * 2048 : 0);
   // W S, Qg S and the S update by wgmma: sm_90a and whole warpgroups (NW = 2 keeps mma.sync, like sm_100a /
   // sm_103a)
   static constexpr bool WGMMA = KDA_HAS_WGMMA && NW % 4 == 0;
-  static_assert(R_W % 1024 == 0 && R_QG % 1024 == 0 && R_KG % 1024 == 0 && S_AK1 % 1024 == 0,
+  static_assert(R_W % 1024 == 0 && R_QG % 1024 == 0 && R_KG % 1024 == 0,
                 "wgmma B tiles start on 1024-byte swizzle groups");
 };
 
@@ -157,8 +153,10 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 
   const __nv_bfloat16* sW = reinterpret_cast<const __nv_bfloat16*>(smem + R_W);
   const __nv_bfloat16* sQg = reinterpret_cast<const __nv_bfloat16*>(smem + R_QG);
-  // group AK of chunk ch sits in slot ch & 1: the record's own offsets, shifted by ak_shift for slot 1
-  auto ak_shift = [](int ch) { return (ch & 1) ? Cfg::S_AK1 - R_KG : 0; };
+  const __nv_bfloat16* sKg = reinterpret_cast<const __nv_bfloat16*>(smem + R_KG);
+  const __nv_bfloat16* sAqh = reinterpret_cast<const __nv_bfloat16*>(smem + R_AQH);
+  const __nv_bfloat16* sAql = reinterpret_cast<const __nv_bfloat16*>(smem + R_AQL);
+  const float* sGam = reinterpret_cast<const float*>(smem + R_GAM);
   const __nv_bfloat16* sAbh = reinterpret_cast<const __nv_bfloat16*>(smem + R_ABH);
   const __nv_bfloat16* sAbl = reinterpret_cast<const __nv_bfloat16*>(smem + R_ABL);
   __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + Cfg::S_V);
@@ -185,12 +183,11 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   auto issue_wq = [&](int ch) { copy_range<NT>(smem, record(ch), R_W, OUT ? 32768 : 16384, tid); };
   // group AK: Kg, (Aqk hi + lo,) gamma
   auto issue_ak = [&](int ch) {
-    char* slot = smem + ak_shift(ch);
     if (OUT) {
-      copy_range<NT>(slot, record(ch), R_KG, R_ABH - R_KG, tid);
+      copy_range<NT>(smem, record(ch), R_KG, R_ABH - R_KG, tid);
     } else {
-      copy_range<NT>(slot, record(ch), R_KG, 16384, tid);
-      copy_range<NT>(slot, record(ch), R_GAM, 512, tid);
+      copy_range<NT>(smem, record(ch), R_KG, 16384, tid);
+      copy_range<NT>(smem, record(ch), R_GAM, 512, tid);
     }
   };
 
@@ -219,8 +216,6 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   }
 
   if (nchunks > 0) {
-    issue_ak(0);  // the steady state's order: AK(ch), A(ch), WQ(ch) are committed during step ch - 1
-    cp_async_commit();
     issue_a(0);
     cp_async_commit();
     issue_wq(0);
@@ -228,20 +223,11 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   }
   for (int ch = 0; ch < nchunks; ++ch) {
     const bool has_next = ch + 1 < nchunks;
-    // B1: groups AK(ch) and A(ch) landed (Kg made visible to wgmma); every warp is done with AK(ch - 1): stream
-    // AK(ch + 1) into its slot
+    // B1: group A(ch) landed; every warp is done with AK(ch - 1): stream AK(ch) in
     cp_async_wait1();
-#if KDA_HAS_WGMMA
-    if constexpr (Cfg::WGMMA) fence_async_smem();
-#endif
     __syncthreads();
-    if (has_next) issue_ak(ch + 1);
+    issue_ak(ch);
     cp_async_commit();
-    const char* ak = smem + ak_shift(ch);
-    const __nv_bfloat16* sKg = reinterpret_cast<const __nv_bfloat16*>(ak + R_KG);
-    const __nv_bfloat16* sAqh = reinterpret_cast<const __nv_bfloat16*>(ak + R_AQH);
-    const __nv_bfloat16* sAql = reinterpret_cast<const __nv_bfloat16*>(ak + R_AQL);
-    const float* sGam = reinterpret_cast<const float*>(ak + R_GAM);
 
     // ---- U^T = V^T (A diag(beta))^T ----
     float VN[8][4];
@@ -322,7 +308,11 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
         }
       }
     }
-    // B3: WQ is free: stream WQ(ch + 1) in
+    // B3: AK(ch) landed (Kg made visible to wgmma); WQ is free: stream WQ(ch + 1) in
+    cp_async_wait1();
+#if KDA_HAS_WGMMA
+    if constexpr (Cfg::WGMMA) fence_async_smem();
+#endif
     __syncthreads();
     if (has_next) issue_wq(ch + 1);
     cp_async_commit();
