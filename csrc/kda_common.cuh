@@ -139,6 +139,13 @@ __device__ __forceinline__ void st_global_pinned(void* p, uint32_t x) {
   asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(x));
 }
 
+// An 8-byte global load issued where it is written (asm volatile keeps it in order with the mma): a value needed
+// a phase later is requested early, not at its first use
+__device__ __forceinline__ int2 ld_global_pinned_int2(const int32_t* p) {
+  int2 v;
+  asm volatile("ld.global.nc.v2.s32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
 // threadIdx.x as an opaque value: what derives from it is formed where it is used, never hoisted out of a loop
 // and held in registers across it (asm volatile is re-executed at each call)
 __device__ __forceinline__ int thread_index() {

@@ -141,8 +141,8 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   const int nchunks = row[5];
   // a chunk's tokens come from the chunk table: the first chunk of a run that starts inside a document
   // is partial (it ends on the document's 64-token grid, kda_kcp/plan.py)
-  auto chunk_tok = [&](int ch) { return static_cast<int64_t>(a.chunks[2 * (rec0 + ch)]); };
-  auto chunk_rows = [&](int ch) { return a.chunks[2 * (rec0 + ch) + 1]; };
+  // (first token, rows) of a chunk, read a step before its use: the V copies and the o stores wait on it otherwise
+  auto chunk_at = [&](int ch) { return ld_global_pinned_int2(a.chunks + 2 * (rec0 + ch)); };
   const int vbase = tile * VT;           // virtual column: output [0, 128); summary M [0, 128), E [128, 256)
   const bool isE = OUT || vbase >= D;    // columns with a U term
   const int vt0 = vbase & (D - 1);
@@ -165,11 +165,11 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   auto record = [&](int ch) { return ws + (rec0 + ch) * H * static_cast<int64_t>(kFwdRecordBytes) +
                                      static_cast<int64_t>(h) * kFwdRecordBytes; };
   // group A: A diag(beta) and the V tile (columns with a U term only)
-  auto issue_a = [&](int ch) {
+  auto issue_a = [&](int ch, int2 ck) {
     if (isE) {
       copy_range<NT>(smem, record(ch), R_ABH, 2 * TRI, tid);
-      const int64_t tok = chunk_tok(ch);
-      const int nr = chunk_rows(ch);
+      const int64_t tok = ck.x;
+      const int nr = ck.y;
       constexpr int PPR = VT / 8;  // 16-byte pieces per row
       for (int p = tid; p < C * PPR; p += NT) {
         const int r = p / PPR, c = (p % PPR) * 8;
@@ -215,8 +215,10 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       }
   }
 
+  int2 cur = make_int2(0, 0);  // chunk ch's (first token, rows)
   if (nchunks > 0) {
-    issue_a(0);
+    cur = chunk_at(0);
+    issue_a(0, cur);
     cp_async_commit();
     issue_wq(0);
     cp_async_commit();
@@ -228,6 +230,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     __syncthreads();
     issue_ak(ch);
     cp_async_commit();
+    const int2 next = has_next ? chunk_at(ch + 1) : make_int2(0, 0);  // used after B2 and in the next step
 
     // ---- U^T = V^T (A diag(beta))^T ----
     float VN[8][4];
@@ -255,7 +258,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     if constexpr (Cfg::WGMMA) fence_async_smem();
 #endif
     __syncthreads();
-    if (has_next) issue_a(ch + 1);
+    if (has_next) issue_a(ch + 1, next);
     cp_async_commit();
 
     // ---- V_new^T = U^T + S^T (-W)^T ; O^T = S^T Qg^T (S as hi + lo; hi only under KDA_WALK_HI_ONLY) ----
@@ -349,8 +352,8 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
           sO[swv<16>(t, c)] = __float2bfloat16_rn(O[n][e]);
         }
       __syncwarp();
-      const int64_t tok = chunk_tok(ch);
-      const int nrows = chunk_rows(ch);
+      const int64_t tok = cur.x;
+      const int nrows = cur.y;
       __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.o);
 #pragma unroll
       for (int it = 0; it < 4; ++it) {
@@ -394,6 +397,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) state_tile_rank16<true>(ST, vh[ks], vl[ks], sKg, ks, lane);
     }
+    cur = next;
   }
   cp_async_wait_all();
 

@@ -16,6 +16,8 @@ struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct uint4 { uint32_t x, y, z, w; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
+struct int2 { int x, y; };
+inline int2 make_int2(int a, int b) { return {a, b}; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 typedef void* cudaStream_t;
 constexpr int cudaSuccess = 0;
