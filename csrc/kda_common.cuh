@@ -182,15 +182,8 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* tile, uint32_t lbo = 
 // it): wgmma reads its A registers and writes its accumulators asynchronously, until wgmma_wait0.
 __device__ __forceinline__ void fence_reg(float& x) { asm volatile("" : "+f"(x)::"memory"); }
 __device__ __forceinline__ void fence_reg(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
-template <int N>
-__device__ __forceinline__ void fence_frags(float (&t)[N][4]) {
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) fence_reg(t[n][e]);
-}
-template <int N>
-__device__ __forceinline__ void fence_frags(uint32_t (&t)[N][4]) {
+template <int N, class T>  // T = float (accumulators) or uint32_t (A operands)
+__device__ __forceinline__ void fence_frags(T (&t)[N][4]) {
 #pragma unroll
   for (int n = 0; n < N; ++n)
 #pragma unroll

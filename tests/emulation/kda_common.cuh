@@ -38,14 +38,8 @@ inline void ldsm(uint32_t (&r)[4], const void* p) {
 inline void ldsm4(uint32_t (&r)[4], const void* p) { ldsm<false>(r, p); }
 inline void ldsm4t(uint32_t (&r)[4], const void* p) { ldsm<true>(r, p); }
 inline float bf(uint32_t v, int hi) { __nv_bfloat16 b{uint16_t(hi ? v >> 16 : v & 0xffff)}; return __bfloat162float(b); }
-inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  WarpCtx* w = t_warp;
-  const int l = t_lane;
-  for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
-  w->u[l][4] = b0;
-  w->u[l][5] = b1;
-  w->bar.arrive_and_wait();
-  float A[16][16], B[16][8];
+// The warp's 16 x 16 A operand from its lanes' fragments (w->u[lane][0..3], the m16n8k16 A layout).
+inline void gather_a(const WarpCtx* w, float (&A)[16][16]) {
   for (int L = 0; L < 32; ++L) {
     const int g = L >> 2, t = L & 3;
     const uint32_t* u = w->u[L];
@@ -54,8 +48,23 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
       A[g + 8][2 * t + e] = bf(u[1], e);
       A[g][2 * t + 8 + e] = bf(u[2], e);
       A[g + 8][2 * t + 8 + e] = bf(u[3], e);
-      B[2 * t + e][g] = bf(u[4], e);
-      B[2 * t + 8 + e][g] = bf(u[5], e);
+    }
+  }
+}
+inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  WarpCtx* w = t_warp;
+  const int l = t_lane;
+  for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
+  w->u[l][4] = b0;
+  w->u[l][5] = b1;
+  w->bar.arrive_and_wait();
+  float A[16][16], B[16][8];
+  gather_a(w, A);
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    for (int e = 0; e < 2; ++e) {
+      B[2 * t + e][g] = bf(w->u[L][4], e);
+      B[2 * t + 8 + e][g] = bf(w->u[L][5], e);
     }
   }
   w->bar.arrive_and_wait();
@@ -168,16 +177,7 @@ inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
   for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
   w->bar.arrive_and_wait();
   float A[16][16];
-  for (int L = 0; L < 32; ++L) {
-    const int g = L >> 2, t = L & 3;
-    const uint32_t* u = w->u[L];
-    for (int e = 0; e < 2; ++e) {
-      A[g][2 * t + e] = bf(u[0], e);
-      A[g + 8][2 * t + e] = bf(u[1], e);
-      A[g][2 * t + 8 + e] = bf(u[2], e);
-      A[g + 8][2 * t + 8 + e] = bf(u[3], e);
-    }
-  }
+  gather_a(w, A);
   w->bar.arrive_and_wait();
   auto b = [&](int k, int n) {  // B(k, n): K-major rows are n, MN-major rows are k
     uint32_t addr = MN ? start + uint32_t(n >> 6) * lbo + uint32_t(k >> 3) * sbo + uint32_t(k & 7) * 128 + 2 * (n & 63)
