@@ -226,6 +226,15 @@ __device__ __forceinline__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
 #undef KDA_WGMMA_ACC64
+#else
+// Declarations only: a kernel names them in `if constexpr` branches that other archs discard (never defined or
+// called there), so the kernels need no preprocessor branches of their own.
+__device__ void fence_async_smem();
+__device__ void wgmma_fence();
+__device__ void wgmma_commit();
+__device__ void wgmma_wait0();
+__device__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc);
+__device__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc);
 #endif
 // ---- cp.async (16 bytes, zero-filled when !valid) ----
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {

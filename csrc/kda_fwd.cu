@@ -254,9 +254,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     }
     // B2: WQ(ch) landed (and, for wgmma, made visible to the async proxy); group A is free: stream A(ch + 1) in
     cp_async_wait1();
-#if KDA_HAS_WGMMA
     if constexpr (Cfg::WGMMA) fence_async_smem();
-#endif
     __syncthreads();
     if (has_next) issue_a(ch + 1, next);
     cp_async_commit();
@@ -265,7 +263,6 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     float O[8][4];
     zero_frags(O);
     if constexpr (Cfg::WGMMA) {
-#if KDA_HAS_WGMMA
       uint32_t sh[8][4], sl[8][4];
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) split_afrag(ST[2 * ks], ST[2 * ks + 1], sh[ks], sl[ks]);
@@ -289,7 +286,6 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       fence_frags(O);
       fence_frags(sh);
       fence_frags(sl);
-#endif
     } else {
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
@@ -313,9 +309,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     }
     // B3: AK(ch) landed (Kg made visible to wgmma); WQ is free: stream WQ(ch + 1) in
     cp_async_wait1();
-#if KDA_HAS_WGMMA
     if constexpr (Cfg::WGMMA) fence_async_smem();
-#endif
     __syncthreads();
     if (has_next) issue_wq(ch + 1);
     cp_async_commit();
@@ -376,7 +370,6 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       ST[nt][3] *= ga.y;
     }
     if constexpr (Cfg::WGMMA) {
-#if KDA_HAS_WGMMA
       fence_frags(ST);
       fence_frags(vh);
       fence_frags(vl);
@@ -392,7 +385,6 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       fence_frags(ST);
       fence_frags(vh);
       fence_frags(vl);
-#endif
     } else {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) state_tile_rank16<true>(ST, vh[ks], vl[ks], sKg, ks, lane);
