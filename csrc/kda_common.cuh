@@ -190,8 +190,12 @@ __device__ __forceinline__ void fence_frags(T (&t)[N][4]) {
     for (int e = 0; e < 4; ++e) fence_reg(t[n][e]);
 }
 #if KDA_HAS_WGMMA
-// the 64 accumulator operands of an m64n128 wgmma (d[16][4])
-#define KDA_WGMMA_ACC64(d) "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+// the accumulator operands of a wgmma: the 4 of m16n8 tile i of d, 8 tiles for n64, 16 for n128
+#define KDA_WGMMA_TILE(d, i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define KDA_WGMMA_ACC32(d) KDA_WGMMA_TILE(d, 0), KDA_WGMMA_TILE(d, 1), KDA_WGMMA_TILE(d, 2), KDA_WGMMA_TILE(d, 3), \
+    KDA_WGMMA_TILE(d, 4), KDA_WGMMA_TILE(d, 5), KDA_WGMMA_TILE(d, 6), KDA_WGMMA_TILE(d, 7)
+#define KDA_WGMMA_ACC64(d) KDA_WGMMA_ACC32(d), KDA_WGMMA_TILE(d, 8), KDA_WGMMA_TILE(d, 9), KDA_WGMMA_TILE(d, 10), \
+    KDA_WGMMA_TILE(d, 11), KDA_WGMMA_TILE(d, 12), KDA_WGMMA_TILE(d, 13), KDA_WGMMA_TILE(d, 14), KDA_WGMMA_TILE(d, 15)
 // shared memory written by ordinary stores or cp.async, then read by wgmma (the async proxy)
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -205,11 +209,7 @@ __device__ __forceinline__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : KDA_WGMMA_ACC32(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
 // D (this warp's 16 rows x 128 columns) += A (16 x 16, registers) B (16 x 128, MN-major via desc)
@@ -226,6 +226,8 @@ __device__ __forceinline__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
 #undef KDA_WGMMA_ACC64
+#undef KDA_WGMMA_ACC32
+#undef KDA_WGMMA_TILE
 #else
 // Declarations only: a kernel names them in `if constexpr` branches that other archs discard (never defined or
 // called there), so the kernels need no preprocessor branches of their own.

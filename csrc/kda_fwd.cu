@@ -139,9 +139,9 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   const int64_t rec0 = row[2];
   const int idx = row[3], kind = row[4];
   const int nchunks = row[5];
-  // a chunk's tokens come from the chunk table: the first chunk of a run that starts inside a document
-  // is partial (it ends on the document's 64-token grid, kda_kcp/plan.py)
-  // (first token, rows) of a chunk, read a step before its use: the V copies and the o stores wait on it otherwise
+  // a chunk's (first token, rows) from the chunk table (the first chunk of a run that starts inside a document is
+  // partial: it ends on the document's 64-token grid, kda_kcp/plan.py), read a step before its use: the V copies
+  // and the o stores would wait on it otherwise
   auto chunk_at = [&](int ch) { return ld_global_pinned_int2(a.chunks + 2 * (rec0 + ch)); };
   const int vbase = tile * VT;           // virtual column: output [0, 128); summary M [0, 128), E [128, 256)
   const bool isE = OUT || vbase >= D;    // columns with a U term

@@ -56,8 +56,8 @@ def equal_split(start: int, end: int, parts: int) -> list[Piece]:
     return [(start + (i * n) // parts, start + ((i + 1) * n) // parts) for i in range(parts)]
 
 
-def _coalesce(pieces: Sequence[Piece]) -> list[Piece]:
-    """Drop empty pieces and join neighbours that are contiguous both locally and globally."""
+def coalesce_ranges(pieces: Sequence[Piece]) -> list[Piece]:
+    """Drop empty pieces and join neighbours that are contiguous (end of one = start of the next)."""
     out: list[Piece] = []
     for s, e in pieces:
         if e <= s:
@@ -88,13 +88,13 @@ def partition_kcp(cu_seqlens, world_size: int, layout: str = "contiguous") -> li
     W = world_size
     T = cu[-1]
     if layout == "contiguous":
-        return [_coalesce([p]) for p in equal_split(0, T, W)]
+        return [coalesce_ranges([p]) for p in equal_split(0, T, W)]
     if layout == "zigzag":
         halves = equal_split(0, T, 2 * W)
-        return [_coalesce([halves[r], halves[2 * W - 1 - r]]) for r in range(W)]
+        return [coalesce_ranges([halves[r], halves[2 * W - 1 - r]]) for r in range(W)]
     parts: list[list[Piece]] = [[] for _ in range(W)]
     for s, e in zip(cu[:-1], cu[1:]):
         halves = equal_split(s, e, 2 * W)
         for r in range(W):
             parts[r].extend([halves[r], halves[2 * W - 1 - r]])
-    return [_coalesce(p) for p in parts]
+    return [coalesce_ranges(p) for p in parts]

@@ -27,6 +27,7 @@ import os
 import torch
 
 from ..arena import Arena, tensor_bytes
+from ..partition import coalesce_ranges
 from .common import _D, _c, check_tensors, state_bytes
 
 __all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
@@ -440,14 +441,7 @@ def _walk_groups(plan, heads: int, device):
             groups = []
             for late in (False, True):
                 mine = lambda rows: [r for r in rows if (r[2] in late_runs) == late]  # noqa: E731
-                ranges = []
-                for first, count, _, _ in sorted(mine(fw)):
-                    if count == 0:
-                        continue
-                    if ranges and ranges[-1][1] == first:
-                        ranges[-1] = (ranges[-1][0], first + count)
-                    else:
-                        ranges.append((first, first + count))
+                ranges = coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(mine(fw))])
                 groups.append(WalkGroup(mine(fw), mine(rw), ranges, device))
             out = tuple(groups)
     cache[key] = out

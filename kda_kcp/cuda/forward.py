@@ -32,8 +32,8 @@ CHUNK = 64
 RECORD_BYTES = 70144  # kda::kStagedRecordBytes
 
 # ---- cost model of one walk step (one chunk of one CTA), in units of an output step at NW = 4 ----
-SUMMARY_STEP = 0.57  # [M | E] tiles: (256 + 296) / 2 mma per warp against 484 for an output step
-CTAS_PER_SM = 2  # walk CTAs resident per SM (smem ~85 KB at NW = 4, 205 registers)
+SUMMARY_STEP = 0.57  # [M | E] tiles: (256 + 296) / 2 mma per warp against 484 (priced on the mma.sync walk)
+CTAS_PER_SM = 2  # walk CTAs resident per SM (smem 86.5 KB at NW = 4, 218 registers)
 MERGE_STEP = 1.5  # one fold step (the FP32 merge kernel, 128 x 128 x 128) in output steps
 CTA_START = 1.0  # a CTA's first loads and state in/out, in output steps
 # A CTA alone on its SM steps faster than one of two sharing it: whole runs at H = 16 (128 CTAs on 132

@@ -266,9 +266,8 @@ def encode_records(rec) -> torch.Tensor:
     prep kernel does: single for -W, Qg, Kg; hi + lo for Aqk and A diag(beta))."""
     N, H = rec["W"].shape[:2]
     out = torch.zeros(N, H, R_END, dtype=torch.uint8)
-    tri = _tri_index()
-    for name, off, sign, sw in (("W", R_W, -1.0, _swh_index()), ("Qg", R_QG, 1.0, _swh_index()),
-                                ("Kg", R_KG, 1.0, _swh_index())):
+    sw, tri = _swh_index(), _tri_index()
+    for name, off, sign in (("W", R_W, -1.0), ("Qg", R_QG, 1.0), ("Kg", R_KG, 1.0)):
         buf = torch.zeros(N, H, 64 * 128, dtype=torch.bfloat16)
         buf[..., sw] = (sign * rec[name]).reshape(N, H, -1).bfloat16()
         out[..., off:off + 16384] = buf.view(torch.uint8)
@@ -284,10 +283,9 @@ def encode_records(rec) -> torch.Tensor:
 
 def decode_records(raw: torch.Tensor, N: int, H: int) -> dict:
     raw = raw.reshape(N, H, R_END).cpu()
-    tri = _tri_index()
+    sw, tri = _swh_index(), _tri_index()
     dec = {}
-    for name, off, sign, sw in (("W", R_W, -1.0, _swh_index()), ("Qg", R_QG, 1.0, _swh_index()),
-                                ("Kg", R_KG, 1.0, _swh_index())):
+    for name, off, sign in (("W", R_W, -1.0), ("Qg", R_QG, 1.0), ("Kg", R_KG, 1.0)):
         buf = raw[..., off:off + 16384].contiguous().view(torch.bfloat16)
         dec[name] = sign * buf[..., sw].float().reshape(N, H, 64, 128)
     for name, offh, offl in (("Aqk", R_AQH, R_AQL), ("Ab", R_ABH, R_ABL)):
