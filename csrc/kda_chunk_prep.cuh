@@ -1,6 +1,6 @@
 // The chunk prep shared by the forward (kda_fwd.cu) and the backward (kda_bwd.cu): one CTA of 8 warps per
 // (chunk, head), two CTAs per SM (104 KB of shared memory, <= 128 registers). g and k are read straight into
-// registers; the anchored L / Aqk blocks are formed by anchor round on tensor cores; A = (I + L)^-1 in FP32
+// registers; the anchored L / Aqk blocks are formed on tensor cores, all ten at once; A = (I + L)^-1 in FP32
 // (blocked substitution); W = A diag(beta) (K o exp G). The record format is the caller's: a record policy
 // `Rec` (FwdRecord in kda_fwd.cu, BwdRecord in kda_bwd.cu) says where each piece goes and whether the
 // backward's extras are made (Rec::kBwd: P, A, U, L from K_r hi x Cc hi + lo instead of hi x hi).
@@ -42,7 +42,7 @@ constexpr int NT = 256;  // threads per CTA
 constexpr int P_KR = 0;        // bf16 sw128 [64][128] K o exp(G - G_anchor)
 constexpr int P_QRH = 16384;   // Q o exp(G - G_anchor), hi
 constexpr int P_QRL = 32768;   //                         lo
-constexpr int P_CCH = 49152;   // K o exp(G_anchor(I) - G), rows 0 .. 16 I + 15, hi
+constexpr int P_CCH = 49152;   // K o exp(G_anchor - G), hi
 constexpr int P_CCL = 65536;   //                                              lo
 constexpr int P_AEND = 81920;
 // phase B (aliases phase A once L and Aqk are done)
@@ -54,7 +54,7 @@ constexpr int P_ABL = P_ABH + 8192;
 static_assert(P_ABL + 8192 <= P_AEND, "phase B overflows phase A");
 constexpr int P_QGS = P_CCH;             // forward: bf16 sw128 Qg staging (the Cc tiles are dead by then)
 constexpr int P_KGS = P_CCL;             // forward: bf16 sw128 Kg staging
-constexpr int P_V = P_CCL;               // backward: bf16 sw128 V (for U), loaded after the last anchor round
+constexpr int P_V = P_CCL;               // backward: bf16 sw128 V (for U), loaded after L and Aqk
 static_assert(P_ABL + 8192 <= P_V, "phase B overlaps V");
 constexpr int P_L = P_AEND;              // fp32 [64][LDL]
 constexpr int P_BETA = P_L + C * LDL * 4;
@@ -215,7 +215,9 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   }
   __syncthreads();
 
-  // ---- anchored Q/K rows of L and Aqk (the backward also writes s Qg and Kg from registers here) ----
+  // ---- anchored rows, each row block I anchored at its first row a_I = 16 I (G is non-increasing):
+  //      K_r = K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo), the column side of
+  //      the diagonal blocks (the backward also writes s Qg and Kg from registers here) ----
   {
     uint32_t qq[16];  // q is read here, not with g and k, to keep the prep under 128 registers
 #pragma unroll
@@ -234,6 +236,9 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
       split2(qf.x * e0, qf.y * e1, hi, lo);
       *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
       *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
+      split2(kf.x * fexp(G0[0] - G0[i]), kf.y * fexp(G1[0] - G1[i]), hi, lo);  // >= 1
+      *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
+      *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
       if constexpr (Rec::kBwd) {
         const float x0 = fexp(G0[i]), x1 = fexp(G1[i]);
         *reinterpret_cast<uint32_t*>(Rec::qg(rec) + j * D + d0) = pack_bf16(a.scale * qf.x * x0, a.scale * qf.y * x1);
@@ -242,56 +247,55 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
       }
     }
   }
+  __syncthreads();
 
-  // ---- L and Aqk by anchor row block I: Cc_I = K o exp(G_anchor(I) - G) on rows 0 .. 16 I + 15 ----
-  //      warp w < 4: Aqk block (I, w); w >= 4: L block (I, w - 4); blocks above the diagonal idle.
-#pragma unroll
-  for (int I = 0; I < 4; ++I) {
-    if (rq <= I) {
-      const float f0 = (I > rq) ? fexp(sGa[I * D + d0] - G0[0]) : 1.f;
-      const float f1 = (I > rq) ? fexp(sGa[I * D + d0 + 1] - G1[0]) : 1.f;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int j = rq * 16 + i;
-        const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-        const float r0 = fexp(G0[0] - G0[i]) * f0, r1 = fexp(G1[0] - G1[i]) * f1;  // exp(G_aI - G_j)
-        uint32_t hi, lo;
-        split2(kf.x * r0, kf.y * r1, hi, lo);
-        *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
-        *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
+  // ---- L and Aqk block (I, J), J <= I, in one pass: both are (row side of block I) diag(exp(G_aI - G_aJ))
+  //      Cc_J^T, the diagonal factor (<= 1, = 1 on the diagonal) applied to the Cc fragment in registers, so
+  //      one Cc tile serves every block and all ten blocks run at once (no anchor rounds, one barrier).
+  //      Warps 0..5: the six blocks below the diagonal; warps 6, 7: two diagonal blocks each. ----
+  {
+    const int nblk = warp >= 6 ? 2 : 1;
+    for (int b = 0; b < nblk; ++b) {
+      int I, J;
+      if (warp < 6) {
+        I = warp < 1 ? 1 : (warp < 3 ? 2 : 3);
+        J = warp - (I * (I - 1)) / 2;
+      } else {
+        I = J = (warp - 6) * 2 + b;
       }
-    }
-    __syncthreads();
-    const int J = warp & 3;
-    const bool isL = warp >= 4;
-    if (J <= I) {
-      float acc[2][4];
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-#pragma unroll
+      float accL[2][4], accQ[2][4];
+      zero_frags(accL);
+      zero_frags(accQ);
+#pragma unroll 2
       for (int ks = 0; ks < 8; ++ks) {
-        uint32_t bh[4];
+        uint32_t bh[4], bl[4];
         ldb<128>(bh, sCch, ks * 16, J * 16, lane);
-        if (isL) {
-          uint32_t af[4];
-          lda<128>(af, sKr, I * 16, ks * 16, lane);
-          mma_n16(acc[0], acc[1], af, bh);
-          if constexpr (Rec::kBwd) {  // K_r hi x Cc lo too (K_r's lo half has no room in 104 KB)
-            uint32_t bl[4];
-            ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
-            mma_n16(acc[0], acc[1], af, bl);
+        ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
+        if (I > J) {  // Cc_J o exp(G_aI - G_aJ) on the fragment's columns d, d + 1 (b[0], b[2]) and d + 8, d + 9
+          const int d = ks * 16 + l4 * 2;
+          const float2 ga = *reinterpret_cast<const float2*>(sGa + I * D + d);
+          const float2 gb = *reinterpret_cast<const float2*>(sGa + J * D + d);
+          const float2 ga8 = *reinterpret_cast<const float2*>(sGa + I * D + d + 8);
+          const float2 gb8 = *reinterpret_cast<const float2*>(sGa + J * D + d + 8);
+          const float2 f = make_float2(fexp(ga.x - gb.x), fexp(ga.y - gb.y));
+          const float2 f8 = make_float2(fexp(ga8.x - gb8.x), fexp(ga8.y - gb8.y));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 fe = (e & 1) ? f8 : f;
+            const float2 h2 = bf2_to_f2(bh[e]), l2 = bf2_to_f2(bl[e]);
+            split2((h2.x + l2.x) * fe.x, (h2.y + l2.y) * fe.y, bh[e], bl[e]);
           }
-        } else {
-          uint32_t bl[4], ah[4], al[4];
-          ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
-          lda<128>(ah, sQrh, I * 16, ks * 16, lane);
-          lda<128>(al, sQrl, I * 16, ks * 16, lane);
-          mma_n16(acc[0], acc[1], ah, bh);
-          mma_n16(acc[0], acc[1], ah, bl);
-          mma_n16(acc[0], acc[1], al, bh);
         }
+        uint32_t ah[4], al[4];
+        lda<128>(ah, sQrh, I * 16, ks * 16, lane);
+        lda<128>(al, sQrl, I * 16, ks * 16, lane);
+        mma_n16(accQ[0], accQ[1], ah, bh);
+        mma_n16(accQ[0], accQ[1], ah, bl);
+        mma_n16(accQ[0], accQ[1], al, bh);
+        uint32_t af[4];
+        lda<128>(af, sKr, I * 16, ks * 16, lane);
+        mma_n16(accL[0], accL[1], af, bh);
+        if constexpr (Rec::kBwd) mma_n16(accL[0], accL[1], af, bl);  // K_r hi x Cc lo too (K_r's lo has no room)
       }
 #pragma unroll
       for (int n = 0; n < 2; ++n)
@@ -299,31 +303,30 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
         for (int e2 = 0; e2 < 2; ++e2) {
           const int r = g4 + e2 * 8, c = n * 8 + l4 * 2;
           const int i = I * 16 + r, j = J * 16 + c;
-          float x0 = acc[n][e2 * 2], x1 = acc[n][e2 * 2 + 1];
-          if (isL) {
-            const float bi = sBeta[i];
-            if constexpr (Rec::kBwd) {  // P = L before diag(beta)
-              x0 = (I > J || j < i) ? x0 : 0.f;
-              x1 = (I > J || j + 1 < i) ? x1 : 0.f;
-              *reinterpret_cast<float2*>(Rec::p(rec) + i * C + j) = make_float2(x0, x1);
-              x0 *= bi;
-              x1 *= bi;
-            } else {
-              x0 = (I > J || j < i) ? x0 * bi : 0.f;
-              x1 = (I > J || j + 1 < i) ? x1 * bi : 0.f;
-            }
-            *reinterpret_cast<float2*>(sL + i * LDL + j) = make_float2(x0, x1);
+          float x0 = accL[n][e2 * 2], x1 = accL[n][e2 * 2 + 1];
+          const float bi = sBeta[i];
+          if constexpr (Rec::kBwd) {  // P = L before diag(beta)
+            x0 = (I > J || j < i) ? x0 : 0.f;
+            x1 = (I > J || j + 1 < i) ? x1 : 0.f;
+            *reinterpret_cast<float2*>(Rec::p(rec) + i * C + j) = make_float2(x0, x1);
+            x0 *= bi;
+            x1 *= bi;
           } else {
-            x0 = (I > J || j <= i) ? x0 * a.scale : 0.f;
-            x1 = (I > J || j + 1 <= i) ? x1 * a.scale : 0.f;
-            uint32_t hi, lo;
-            split2(x0, x1, hi, lo);
-            Rec::aqk(rec, I, J, r, c, hi, lo);
+            x0 = (I > J || j < i) ? x0 * bi : 0.f;
+            x1 = (I > J || j + 1 < i) ? x1 * bi : 0.f;
           }
+          *reinterpret_cast<float2*>(sL + i * LDL + j) = make_float2(x0, x1);
+          x0 = accQ[n][e2 * 2];
+          x1 = accQ[n][e2 * 2 + 1];
+          x0 = (I > J || j <= i) ? x0 * a.scale : 0.f;
+          x1 = (I > J || j + 1 <= i) ? x1 * a.scale : 0.f;
+          uint32_t hi, lo;
+          split2(x0, x1, hi, lo);
+          Rec::aqk(rec, I, J, r, c, hi, lo);
         }
     }
-    __syncthreads();
   }
+  __syncthreads();
 
   if constexpr (Rec::kBwd) {  // V (for U) lands while X is formed and A inverted
     __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + P_V);
