@@ -104,6 +104,90 @@ __device__ __forceinline__ void inv_level(const float* sL, float* sA, float* sPt
   __syncthreads();
 }
 
+// L (DO_L) and / or Aqk (DO_Q) of the 16x16 block (I, J), J <= I, by one warp. Both are (the row side of
+// block I: K_r, Q_r hi + lo, anchored at a_I = 16 I) diag(exp(G_aI - G_aJ)) Cc_J^T, where Cc = K o exp(G_a - G) is
+// anchored per row block too: the diagonal factor (<= 1, = 1 on the diagonal) is applied to the Cc fragment in
+// registers, so one Cc tile serves every block and no block waits for another.
+template <class Rec, bool DO_L, bool DO_Q>
+__device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, float scale, int lane) {
+  const __nv_bfloat16* sKr = reinterpret_cast<const __nv_bfloat16*>(smem + P_KR);
+  const __nv_bfloat16* sQrh = reinterpret_cast<const __nv_bfloat16*>(smem + P_QRH);
+  const __nv_bfloat16* sQrl = reinterpret_cast<const __nv_bfloat16*>(smem + P_QRL);
+  const __nv_bfloat16* sCch = reinterpret_cast<const __nv_bfloat16*>(smem + P_CCH);
+  const __nv_bfloat16* sCcl = reinterpret_cast<const __nv_bfloat16*>(smem + P_CCL);
+  const float* sGa = reinterpret_cast<const float*>(smem + P_GA);
+  const float* sBeta = reinterpret_cast<const float*>(smem + P_BETA);
+  float* sL = reinterpret_cast<float*>(smem + P_L);
+  const int g4 = lane >> 2, l4 = lane & 3;
+  float accL[2][4], accQ[2][4];
+  zero_frags(accL);
+  zero_frags(accQ);
+#pragma unroll 2
+  for (int ks = 0; ks < 8; ++ks) {
+    uint32_t bh[4], bl[4];
+    ldb<128>(bh, sCch, ks * 16, J * 16, lane);
+    if (DO_Q || Rec::kBwd || I > J) ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
+    if (I > J) {  // Cc_J o exp(G_aI - G_aJ) on the fragment's columns d, d + 1 (b[0], b[2]) and d + 8, d + 9
+      const int d = ks * 16 + l4 * 2;
+      const float2 ga = *reinterpret_cast<const float2*>(sGa + I * D + d);
+      const float2 gb = *reinterpret_cast<const float2*>(sGa + J * D + d);
+      const float2 ga8 = *reinterpret_cast<const float2*>(sGa + I * D + d + 8);
+      const float2 gb8 = *reinterpret_cast<const float2*>(sGa + J * D + d + 8);
+      const float2 f = make_float2(fexp(ga.x - gb.x), fexp(ga.y - gb.y));
+      const float2 f8 = make_float2(fexp(ga8.x - gb8.x), fexp(ga8.y - gb8.y));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 fe = (e & 1) ? f8 : f;
+        const float2 h2 = bf2_to_f2(bh[e]), l2 = bf2_to_f2(bl[e]);
+        split2((h2.x + l2.x) * fe.x, (h2.y + l2.y) * fe.y, bh[e], bl[e]);
+      }
+    }
+    if constexpr (DO_Q) {
+      uint32_t ah[4], al[4];
+      lda<128>(ah, sQrh, I * 16, ks * 16, lane);
+      lda<128>(al, sQrl, I * 16, ks * 16, lane);
+      mma_n16(accQ[0], accQ[1], ah, bh);
+      mma_n16(accQ[0], accQ[1], ah, bl);
+      mma_n16(accQ[0], accQ[1], al, bh);
+    }
+    if constexpr (DO_L) {
+      uint32_t af[4];
+      lda<128>(af, sKr, I * 16, ks * 16, lane);
+      mma_n16(accL[0], accL[1], af, bh);
+      if constexpr (Rec::kBwd) mma_n16(accL[0], accL[1], af, bl);  // K_r hi x Cc lo too (K_r's lo has no room)
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2) {
+      const int r = g4 + e2 * 8, c = n * 8 + l4 * 2;
+      const int i = I * 16 + r, j = J * 16 + c;
+      if constexpr (DO_L) {
+        float x0 = accL[n][e2 * 2], x1 = accL[n][e2 * 2 + 1];
+        const float bi = sBeta[i];
+        if constexpr (Rec::kBwd) {  // P = L before diag(beta)
+          x0 = (I > J || j < i) ? x0 : 0.f;
+          x1 = (I > J || j + 1 < i) ? x1 : 0.f;
+          *reinterpret_cast<float2*>(Rec::p(rec) + i * C + j) = make_float2(x0, x1);
+          x0 *= bi;
+          x1 *= bi;
+        } else {
+          x0 = (I > J || j < i) ? x0 * bi : 0.f;
+          x1 = (I > J || j + 1 < i) ? x1 * bi : 0.f;
+        }
+        *reinterpret_cast<float2*>(sL + i * LDL + j) = make_float2(x0, x1);
+      }
+      if constexpr (DO_Q) {
+        const float x0 = (I > J || j <= i) ? accQ[n][e2 * 2] * scale : 0.f;
+        const float x1 = (I > J || j + 1 <= i) ? accQ[n][e2 * 2 + 1] * scale : 0.f;
+        uint32_t hi, lo;
+        split2(x0, x1, hi, lo);
+        Rec::aqk(rec, I, J, r, c, hi, lo);
+      }
+    }
+}
+
 // What one CTA needs (bf16 q, k, v; fp32 g; bf16 beta; [T, H, 128] / [T, H]).
 struct Inputs {
   const void* q;
@@ -249,82 +333,16 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   }
   __syncthreads();
 
-  // ---- L and Aqk block (I, J), J <= I, in one pass: both are (row side of block I) diag(exp(G_aI - G_aJ))
-  //      Cc_J^T, the diagonal factor (<= 1, = 1 on the diagonal) applied to the Cc fragment in registers, so
-  //      one Cc tile serves every block and all ten blocks run at once (no anchor rounds, one barrier).
-  //      Warps 0..5: the six blocks below the diagonal; warps 6, 7: two diagonal blocks each. ----
-  {
-    const int nblk = warp >= 6 ? 2 : 1;
-    for (int b = 0; b < nblk; ++b) {
-      int I, J;
-      if (warp < 6) {
-        I = warp < 1 ? 1 : (warp < 3 ? 2 : 3);
-        J = warp - (I * (I - 1)) / 2;
-      } else {
-        I = J = (warp - 6) * 2 + b;
-      }
-      float accL[2][4], accQ[2][4];
-      zero_frags(accL);
-      zero_frags(accQ);
-#pragma unroll 2
-      for (int ks = 0; ks < 8; ++ks) {
-        uint32_t bh[4], bl[4];
-        ldb<128>(bh, sCch, ks * 16, J * 16, lane);
-        ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
-        if (I > J) {  // Cc_J o exp(G_aI - G_aJ) on the fragment's columns d, d + 1 (b[0], b[2]) and d + 8, d + 9
-          const int d = ks * 16 + l4 * 2;
-          const float2 ga = *reinterpret_cast<const float2*>(sGa + I * D + d);
-          const float2 gb = *reinterpret_cast<const float2*>(sGa + J * D + d);
-          const float2 ga8 = *reinterpret_cast<const float2*>(sGa + I * D + d + 8);
-          const float2 gb8 = *reinterpret_cast<const float2*>(sGa + J * D + d + 8);
-          const float2 f = make_float2(fexp(ga.x - gb.x), fexp(ga.y - gb.y));
-          const float2 f8 = make_float2(fexp(ga8.x - gb8.x), fexp(ga8.y - gb8.y));
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 fe = (e & 1) ? f8 : f;
-            const float2 h2 = bf2_to_f2(bh[e]), l2 = bf2_to_f2(bl[e]);
-            split2((h2.x + l2.x) * fe.x, (h2.y + l2.y) * fe.y, bh[e], bl[e]);
-          }
-        }
-        uint32_t ah[4], al[4];
-        lda<128>(ah, sQrh, I * 16, ks * 16, lane);
-        lda<128>(al, sQrl, I * 16, ks * 16, lane);
-        mma_n16(accQ[0], accQ[1], ah, bh);
-        mma_n16(accQ[0], accQ[1], ah, bl);
-        mma_n16(accQ[0], accQ[1], al, bh);
-        uint32_t af[4];
-        lda<128>(af, sKr, I * 16, ks * 16, lane);
-        mma_n16(accL[0], accL[1], af, bh);
-        if constexpr (Rec::kBwd) mma_n16(accL[0], accL[1], af, bl);  // K_r hi x Cc lo too (K_r's lo has no room)
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-          const int r = g4 + e2 * 8, c = n * 8 + l4 * 2;
-          const int i = I * 16 + r, j = J * 16 + c;
-          float x0 = accL[n][e2 * 2], x1 = accL[n][e2 * 2 + 1];
-          const float bi = sBeta[i];
-          if constexpr (Rec::kBwd) {  // P = L before diag(beta)
-            x0 = (I > J || j < i) ? x0 : 0.f;
-            x1 = (I > J || j + 1 < i) ? x1 : 0.f;
-            *reinterpret_cast<float2*>(Rec::p(rec) + i * C + j) = make_float2(x0, x1);
-            x0 *= bi;
-            x1 *= bi;
-          } else {
-            x0 = (I > J || j < i) ? x0 * bi : 0.f;
-            x1 = (I > J || j + 1 < i) ? x1 * bi : 0.f;
-          }
-          *reinterpret_cast<float2*>(sL + i * LDL + j) = make_float2(x0, x1);
-          x0 = accQ[n][e2 * 2];
-          x1 = accQ[n][e2 * 2 + 1];
-          x0 = (I > J || j <= i) ? x0 * a.scale : 0.f;
-          x1 = (I > J || j + 1 <= i) ? x1 * a.scale : 0.f;
-          uint32_t hi, lo;
-          split2(x0, x1, hi, lo);
-          Rec::aqk(rec, I, J, r, c, hi, lo);
-        }
-    }
+  // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once (lq_block). Per warp, in mma_n16 per k-step:
+  //      warps 0..5 both products of one block below the diagonal (4 + the Cc scaling), then warps 0..3 the L of
+  //      diagonal block w (1); warps 6, 7 the Aqk of two diagonal blocks each (3 + 3). ----
+  if (warp < 6) {
+    const int I = warp < 1 ? 1 : (warp < 3 ? 2 : 3), J = warp - (I * (I - 1)) / 2;
+    lq_block<Rec, true, true>(I, J, smem, rec, a.scale, lane);
+    if (warp < 4) lq_block<Rec, true, false>(warp, warp, smem, rec, a.scale, lane);
+  } else {
+    lq_block<Rec, false, true>(2 * (warp - 6), 2 * (warp - 6), smem, rec, a.scale, lane);
+    lq_block<Rec, false, true>(2 * (warp - 6) + 1, 2 * (warp - 6) + 1, smem, rec, a.scale, lane);
   }
   __syncthreads();
 
