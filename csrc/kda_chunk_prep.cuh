@@ -56,7 +56,7 @@ constexpr int P_QGS = P_CCH;             // forward: bf16 sw128 Qg staging (the 
 constexpr int P_KGS = P_CCL;             // forward: bf16 sw128 Kg staging
 constexpr int P_V = P_CCL;               // backward: bf16 sw128 V (for U), loaded after L and Aqk
 static_assert(P_ABL + 8192 <= P_V, "phase B overlaps V");
-constexpr int P_L = P_AEND;              // fp32 [64][LDL]
+constexpr int P_L = P_AEND;              // fp32 [64][LDL]; before the products, q (bf16 [64][128])
 constexpr int P_BETA = P_L + C * LDL * 4;
 constexpr int P_TOT = P_BETA + 256;      // fp32 [4][128]
 constexpr int P_GA = P_TOT + 2048;       // fp32 [4][128]
@@ -263,6 +263,15 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     G1[i] = gg.y;
     kk[i] = kv;
   }
+  // q lands in shared memory (the L tile, unused until the products) while g is summed: row-major [64][128]
+  // bf16 in 16-byte pieces, rows past the chunk zero-filled; waited for at the second barrier
+  const __nv_bfloat16* sQ = reinterpret_cast<const __nv_bfloat16*>(smem + P_L);
+  for (int p = tid; p < C * D / 8; p += NT) {
+    const int r = p >> 4, c = (p & 15) * 8;
+    const bool ok = r < nrows;
+    cp_async16(smem + P_L + p * 16, ok ? q + ((tok + r) * H + h) * D + c : q, ok);
+  }
+  cp_async_commit();
   if (tid < C) sBeta[tid] = (tid < nrows) ? __bfloat162float(beta[(tok + tid) * H + h]) : 0.f;
   if constexpr (Rec::kBwd) {  // the strictly upper blocks of P and Aqk are never computed
     for (int p = tid; p < C * C; p += NT)
@@ -297,23 +306,18 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
       *reinterpret_cast<float2*>(Rec::gamma(rec) + d0) = make_float2(fexp(G0[15]), fexp(G1[15]));
     }
   }
+  cp_async_wait_all();  // this thread's q pieces, visible to all after the barrier
   __syncthreads();
 
   // ---- anchored rows, each row block I anchored at its first row a_I = 16 I (G is non-increasing):
   //      K_r = K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo), the column side of
   //      the diagonal blocks (the backward also writes s Qg and Kg from registers here) ----
   {
-    uint32_t qq[16];  // q is read here, not with g and k, to keep the prep under 128 registers
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      qq[i] = (j < nrows) ? __ldg(reinterpret_cast<const unsigned int*>(q + off0 + i * rstride)) : 0u;
-    }
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int j = rq * 16 + i;
       const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-      const float2 qf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&qq[i]));
+      const float2 qf = bf2_to_f2(*reinterpret_cast<const uint32_t*>(sQ + j * D + d0));
       const float e0 = fexp(G0[i] - G0[0]), e1 = fexp(G1[i] - G1[0]);  // <= 1
       *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kf.x * e0, kf.y * e1);
       uint32_t hi, lo;
