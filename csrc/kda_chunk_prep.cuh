@@ -43,7 +43,7 @@ constexpr int P_KR = 0;        // bf16 sw128 [64][128] K o exp(G - G_anchor)
 constexpr int P_QRH = 16384;   // Q o exp(G - G_anchor), hi
 constexpr int P_QRL = 32768;   //                         lo
 constexpr int P_CCH = 49152;   // K o exp(G_anchor - G), hi
-constexpr int P_CCL = 65536;   //                                              lo
+constexpr int P_CCL = 65536;   //                      lo
 constexpr int P_AEND = 81920;
 // phase B (aliases phase A once L and Aqk are done)
 constexpr int P_X = 0;         // bf16 sw128 K o exp(G)
