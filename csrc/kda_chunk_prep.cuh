@@ -266,7 +266,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   // q lands in shared memory (the L tile, unused until the products) while g is summed: row-major [64][128]
   // bf16 in 16-byte pieces, rows past the chunk zero-filled; waited for at the second barrier
   const __nv_bfloat16* sQ = reinterpret_cast<const __nv_bfloat16*>(smem + P_L);
-  for (int p = tid; p < C * D / 8; p += NT) {
+  for (int p = tid; p < C * D / 8; p += NT) {  // piece p = row p / 16, columns 8 (p % 16) ..: byte 16 p
     const int r = p >> 4, c = (p & 15) * 8;
     const bool ok = r < nrows;
     cp_async16(smem + P_L + p * 16, ok ? q + ((tok + r) * H + h) * D + c : q, ok);
@@ -312,27 +312,25 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   // ---- anchored rows, each row block I anchored at its first row a_I = 16 I (G is non-increasing):
   //      K_r = K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo), the column side of
   //      the diagonal blocks (the backward also writes s Qg and Kg from registers here) ----
-  {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-      const float2 qf = bf2_to_f2(*reinterpret_cast<const uint32_t*>(sQ + j * D + d0));
-      const float e0 = fexp(G0[i] - G0[0]), e1 = fexp(G1[i] - G1[0]);  // <= 1
-      *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kf.x * e0, kf.y * e1);
-      uint32_t hi, lo;
-      split2(qf.x * e0, qf.y * e1, hi, lo);
-      *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
-      *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
-      split2(kf.x * fexp(G0[0] - G0[i]), kf.y * fexp(G1[0] - G1[i]), hi, lo);  // >= 1
-      *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
-      *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
-      if constexpr (Rec::kBwd) {
-        const float x0 = fexp(G0[i]), x1 = fexp(G1[i]);
-        *reinterpret_cast<uint32_t*>(Rec::qg(rec) + j * D + d0) = pack_bf16(a.scale * qf.x * x0, a.scale * qf.y * x1);
-        *reinterpret_cast<uint32_t*>(Rec::kg(rec) + j * D + d0) =
-            pack_bf16(kf.x * fexp(sGl[d0] - G0[i]), kf.y * fexp(sGl[d0 + 1] - G1[i]));
-      }
+  for (int i = 0; i < 16; ++i) {
+    const int j = rq * 16 + i;
+    const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
+    const float2 qf = bf2_to_f2(*reinterpret_cast<const uint32_t*>(sQ + j * D + d0));
+    const float e0 = fexp(G0[i] - G0[0]), e1 = fexp(G1[i] - G1[0]);  // <= 1
+    *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kf.x * e0, kf.y * e1);
+    uint32_t hi, lo;
+    split2(qf.x * e0, qf.y * e1, hi, lo);
+    *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
+    *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
+    split2(kf.x * fexp(G0[0] - G0[i]), kf.y * fexp(G1[0] - G1[i]), hi, lo);  // >= 1
+    *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
+    *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
+    if constexpr (Rec::kBwd) {
+      const float x0 = fexp(G0[i]), x1 = fexp(G1[i]);
+      *reinterpret_cast<uint32_t*>(Rec::qg(rec) + j * D + d0) = pack_bf16(a.scale * qf.x * x0, a.scale * qf.y * x1);
+      *reinterpret_cast<uint32_t*>(Rec::kg(rec) + j * D + d0) =
+          pack_bf16(kf.x * fexp(sGl[d0] - G0[i]), kf.y * fexp(sGl[d0 + 1] - G1[i]));
     }
   }
   __syncthreads();
