@@ -238,6 +238,14 @@ __device__ void wgmma_wait0();
 __device__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc);
 __device__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc);
 #endif
+// %nsmid: one more than the largest SM id (at least the SM count; only used to aim L2 hints)
+__device__ __forceinline__ unsigned sm_count() {
+  unsigned n;
+  asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+  return n;
+}
+// Ask L2 for the 128-byte line at p (no data comes back; a hint, not a load).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 // ---- cp.async (16 bytes, zero-filled when !valid) ----
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),

@@ -28,7 +28,7 @@ inline int cudaGetLastError() { return 0; }
 template <class K> inline int cudaFuncSetAttribute(K, int, int) { return 0; }
 struct dim3 { unsigned x, y, z; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
 struct uint3e { unsigned x, y, z; };
-inline thread_local uint3e threadIdx, blockIdx;
+inline thread_local uint3e threadIdx, blockIdx, gridDim;
 #define __global__
 #define __device__
 #define __host__
@@ -79,6 +79,7 @@ inline void emu_launch(K kern, dim3 grid, int threads, int, cudaStream_t, const 
           ts.emplace_back([&, t] {
             threadIdx = {unsigned(t), 0, 0};
             blockIdx = {x, y, z};
+            gridDim = {grid.x, grid.y, grid.z};
             t_warp = b.warps[t / 32].get();
             t_lane = t % 32;
             kern(a);

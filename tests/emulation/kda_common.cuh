@@ -108,6 +108,8 @@ template <int RL> inline void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, in
   ldsm4t(b, frag_ptr<RL>(t, k0, n0, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4));
 }
 inline void st_global_pinned(void* p, uint32_t x) { std::memcpy(p, &x, 4); }
+inline void prefetch_l2(const void*) {}
+inline unsigned sm_count() { return 132; }
 inline int2 ld_global_pinned_int2(const int32_t* p) { return make_int2(p[0], p[1]); }
 // cp.async with its ordering: a copy lands only when its thread waits for its group (wait_group N leaves the
 // N newest committed groups in flight, wait_all lands everything, uncommitted copies included), so a kernel
