@@ -550,48 +550,54 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
 // ================================================================================================
 // chunk gradients
 // ================================================================================================
+// Shared memory map (bytes): phase-B tiles lie over phase-A tiles that are dead by then. G, q and k sit over
+// half 0's V_new / dV_new tiles and a gap that phase A leaves free, where they could land while half 1
+// computes; requested there (session 13), the request code cost ptxas ~80 bytes of spill and the time it saved.
 // phase A (state products, two halves of the value columns); V_new / dV_new of each half come from the
 // walks (bf16 hi / lo, transposed: [value column][token], sw64)
-constexpr int A_DO = 0;
-constexpr int A_V = 65536;
-constexpr int A_AH = 81920;   // kept through phase B
+constexpr int A_DO = 0;       // dO, bf16 sw128 [64][128]
+constexpr int A_V = 49152;    // v
+constexpr int A_SH = 65536;   // S^T hi, dS^T hi / lo of the value half: bf16 sw128 [64][128] (h holds no lo of S)
+constexpr int A_AH = 81920;   // A hi / lo, sw64, kept through phase B3
 constexpr int A_AL = 90112;
-constexpr int A_SH = 98304;   // S^T hi, dS^T hi / lo of the value half: bf16 sw128 [64][128]
-constexpr int A_SL = 114688;  // (S^T lo: h holds no lo half; free unless KDA_BWD_SPLIT bit 0, refused below)
-constexpr int A_DH = 131072;
-constexpr int A_DL = 147456;
+constexpr int A_DH = 98304;
+constexpr int A_DL = 114688;
 constexpr int A_DGP = 196608; // fp32 [NT][8] dgamma partials (phase A)
-// per half z: V_new^T, dV_new^T hi / lo (sw64 [64][64]), half 0 at 160 KiB, half 1 at 16 KiB
-__host__ __device__ constexpr int a_vn(int z, int tile) { return (z == 0 ? 163840 : 16384) + 8192 * tile; }
+// per half z: V_new^T, dV_new^T hi / lo (sw64 [64][64]), half 1 at 16 KiB, half 0 at 128 KiB
+__host__ __device__ constexpr int a_vn(int z, int tile) { return (z == 0 ? 131072 : 16384) + 8192 * tile; }
 constexpr int kVNH = 0, kVNL = 1, kDVH = 2, kDVL = 3;
 // phase B
-constexpr int B_G = 0;        // fp32 [64][128]
-constexpr int B_Q = 32768;
-constexpr int B_K = 49152;
-constexpr int B_SDAH = 65536; // s dAqk, sw64
-constexpr int B_SDAL = 73728;
-constexpr int B_DPH = 98304;  // dP, sw64
-constexpr int B_DPL = 106496;
-constexpr int B_DWH = 114688; // dW, sw128
-constexpr int B_DWL = 131072;
-constexpr int B_XH = 147456;  // K o exp(G), sw128
-constexpr int B_XL = 163840;
-constexpr int B_DAH = 180224; // dA, sw64
-constexpr int B_DAL = 188416;
-constexpr int B_T1H = 196608; // A^T dA, sw64
-constexpr int B_T1L = 204800;
-constexpr int B_CCH = 114688; // Cc sections (160 rows, sw128)
-constexpr int B_CCL = 155648;
-constexpr int B_KRH = 114688; // anchored row operands
-constexpr int B_KRL = 131072;
-constexpr int B_QRH = 147456;
-constexpr int B_QRL = 163840;
-constexpr int B_DG = 114688;  // fp32 [64][128] dG staging
+constexpr int B_G = 131072;   // fp32 [64][128] (f32_at<true>), to the end
+constexpr int B_Q = 163840;   // bf16 sw128, to the pairwise columns
+constexpr int B_K = 180224;   // to the end
+constexpr int B_DWH = 0;      // dW, sw128 (B1-B2)
+constexpr int B_DWL = 16384;
+constexpr int B_SDAH = 32768; // s dAqk, sw64 (B1 to the pairwise columns)
+constexpr int B_SDAL = 40960;
+constexpr int B_XH = 49152;   // K o exp(G), sw128 (B1-B2)
+constexpr int B_XL = 65536;
+constexpr int B_DAH = 98304;  // dA, sw64 (B2-B3)
+constexpr int B_DAL = 106496;
+constexpr int B_T1H = 114688; // A^T dA, sw64 (B3)
+constexpr int B_T1L = 122880;
+constexpr int B_P = 0;        // P staged, fp32 [64][kPLd] (B3)
+constexpr int kPLd = 72;      // padded rows: B3's float2 reads in the accumulator pattern hit distinct banks
+constexpr int B_DPH = 196608; // dP, sw64 (B3 to the pairwise columns; over the dgamma partials)
+constexpr int B_DPL = 204800;
+constexpr int B_CCH = 49152;  // Cc sections (160 rows, sw128; B4, over X, A, dA, T1)
+constexpr int B_CCL = 90112;
+constexpr int B_KRH = 0;      // anchored column operands (pairwise columns)
+constexpr int B_KRL = 16384;
+constexpr int B_QRH = 49152;
+constexpr int B_QRL = 65536;
+constexpr int B_Z = 81920;    // fp32 [CG][4 NT128][32 lanes]: row block 0's last column block (pairwise columns)
+constexpr int B_DG = 0;       // fp32 [64][128] dG staging (B5)
 constexpr int S_BETA = 212992;          // fp32 [64]
 constexpr int S_DGAM = S_BETA + 256;    // fp32 [128]
 constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
 constexpr int S_DB = S_CS + 2048;       // fp32 [4 CG][64] partial row sums for dbeta
-static_assert(B_CCL + 160 * D * 2 <= B_T1H, "Cc sections overflow");
+static_assert(B_CCL + 160 * D * 2 <= B_G && B_CCH + 160 * D * 2 <= B_CCL, "Cc sections overflow");
+static_assert(B_P + C * kPLd * 4 <= B_SDAH, "staged P overflows");
 
 // Warp tiling of the gradient kernel: NW warps = 4 row blocks of 16 x CG column groups. Each warp owns
 // 16 rows x (128 / CG) columns of the 64 x 128 accumulators; more warps, fewer registers per thread.
@@ -716,8 +722,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     __syncthreads();
     const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
     // products reduced over the value columns of this half (V_new, dV_new stored transposed)
-    wgemm<1, NT128, 128, false, false, 128, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
-    wgemm<1, NT128, 64, true, kSV, 128, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), B16(A_SL), n128, 0, 64, lane);
+    wgemm<1, NT128, 128, false, false, 128, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), nullptr, n128, 0, 64, lane);
+    wgemm<1, NT128, 64, true, kSV, 128, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), nullptr, n128, 0, 64, lane);
     wgemm<1, NT128, 64, true, kSV, 128, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
     wgemm<1, NT64, 128, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
     wgemm<1, NT64, 64, true, kSV, 128, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
@@ -849,25 +855,30 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   }
   __syncthreads();
   // ---- B3: T1 = A^T dA; dL = -(T1 A^T) strictly lower; dP = beta dL; dbeta partial sum(dL o P) ----
+  const float* sP = reinterpret_cast<const float*>(smem + B_P);  // P lands while T1 is formed
+  load_f32<NT, C, C>(reinterpret_cast<float*>(smem + B_P), kPLd, gP, C, C, tid);
+  cp_async_commit();
   {
     float acc[1][NT64][4];
     zero(acc);
     wgemm<1, NT64, 64, true, kSA, 64, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
                                                 C - m0, lane);
     epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(B_T1H), B16(B_T1L), r, cc, x0, x1); });
+    cp_async_wait_all();
     __syncthreads();
     zero(acc);
     wgemm<1, NT64, 64, false, kSD, 64, false, kSA>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), B16(A_AL), n64, 0, C, lane);
     float rs[2] = {0.f, 0.f};
     epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
       const float l0 = cc < r ? -x0 : 0.f, l1 = cc + 1 < r ? -x1 : 0.f;
-      const float2 pp = *reinterpret_cast<const float2*>(gP + r * C + cc);
+      const float2 pp = *reinterpret_cast<const float2*>(sP + r * kPLd + cc);
       rs[(r - m0) >> 3] += l0 * pp.x + l1 * pp.y;
       const float b = sBeta[r];
       st2<64>(B16(B_DPH), B16(B_DPL), r, cc, b * l0, b * l1);
     });
     store_row_sums(sDb, (3 * CG + cg) * C + m0, rs, lane);
   }
+  __syncthreads();  // the Cc sections lie over X, A, dA and T1
   // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
   for (int p = tid; p < 160 * (D / 2); p += NT) {
     const int row = p >> 6, d = (p & 63) * 2;
@@ -923,29 +934,45 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   {
     const int J = warp & 3;
     const int g4 = lane >> 2, l4 = lane & 3;
-    for (int I = J; I < 4; ++I) {
+    // z of block I (the tokens 16 I ..) for the rows mr .. mr + 15: each element to f(ni, e, r, cc, z)
+    auto cols_block = [&](int mr, int I, auto&& f) {
       float part[1][NT128][4];
       zero(part);
-      wgemm<1, NT128, 64, true, kSD, 128, true, kSP>(part, B16(B_DPH), B16(B_DPL), m0, 16 * I, B16(B_KRH), B16(B_KRL), n128,
+      wgemm<1, NT128, 64, true, kSD, 128, true, kSP>(part, B16(B_DPH), B16(B_DPL), mr, 16 * I, B16(B_KRH), B16(B_KRL), n128,
                                                    16 * I, 16, lane);
-      wgemm<1, NT128, 64, true, kSD, 128, true, kSP>(part, B16(B_SDAH), B16(B_SDAL), m0, 16 * I, B16(B_QRH), B16(B_QRL),
+      wgemm<1, NT128, 64, true, kSD, 128, true, kSP>(part, B16(B_SDAH), B16(B_SDAL), mr, 16 * I, B16(B_QRH), B16(B_QRL),
                                                    n128, 16 * I, 16, lane);
 #pragma unroll
       for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-          const float z = part[0][ni][e] * fexp(sG[f32_at<true>(16 * I, cc)] - sG[f32_at<true>(r, cc)]);
-          dKg[0][ni][e] += z;
-          Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
+          const int r = mr + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+          f(ni, e, r, cc, part[0][ni][e] * fexp(sG[f32_at<true>(16 * I, cc)] - sG[f32_at<true>(r, cc)]));
         }
+    };
+    auto add_z = [&](int ni, int e, int r, int cc, float z) {
+      dKg[0][ni][e] += z;
+      Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
+    };
+    // Row block J takes the blocks I = J .. 3 (4, 3, 2, 1 of them); row block 3 also forms row block 0's
+    // block I = 3 and hands its z over through shared memory, added after the barrier in the same place of
+    // the sum: 3, 3, 2, 2 blocks, the same bits.
+    float* sZ = reinterpret_cast<float*>(smem + B_Z) + cg * (4 * NT128 * 32) + lane;
+    for (int I = J; I < (J == 0 ? 3 : 4); ++I) cols_block(m0, I, add_z);
+    if (J == 3) cols_block(0, 3, [&](int ni, int e, int, int, float z) { sZ[32 * (4 * ni + e)] = z; });
+    __syncthreads();
+    if (J == 0) {
+#pragma unroll
+      for (int ni = 0; ni < NT128; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          add_z(ni, e, m0 + g4 + 8 * (e >> 1), n128 + 8 * ni + 2 * l4 + (e & 1), sZ[32 * (4 * ni + e)]);
     }
     bf16* dk = static_cast<bf16*>(a.dk);
     epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
       if (r < nrows) *reinterpret_cast<uint32_t*>(dk + base + r * gs + cc) = pack_bf16(x0, x1);
     });
   }
-  __syncthreads();
   // ---- B5: dG -> dg (reverse cumsum), dbeta ----
   float* sDG = reinterpret_cast<float*>(smem + B_DG);
   epi(Rg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
