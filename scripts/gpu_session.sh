@@ -35,6 +35,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 HEADS=${HEADS:-4 16 64}; HEADS2=${HEADS2:-$HEADS}; OPS=${OPS:-fwd bwd ckpt}
 left() { echo $(( ${BUDGET:-540} - ($(date +%s) - T0) )); }
+# a stage's timeout: what is left minus a margin, at least 5 s (a negative value made `timeout` fail outright)
+tl() { local t=$(( $(left) - $1 )); [ "$t" -lt 5 ] && t=5; echo "$t"; }
 arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'sm_{m}{n}a')")
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 PREBUILT=${PREBUILT:-.build/prebuilt}  # another folder of the same layout: an A/B between builds
@@ -58,43 +60,43 @@ for st in "$@"; do
   case "$st" in
     warm)
       for h in $HEADS; do
-        timeout $(( $(left) - 60 )) python3 scripts/warm_fla_cache.py --heads "$h" --device $(( ngpu - 1 )) \
+        timeout $(tl 60) python3 scripts/warm_fla_cache.py --heads "$h" --device $(( ngpu - 1 )) \
           >> "$OUT/warm.log" 2>&1 &
         warm_pids+=($!)
         if [ "${WARM_CP:-0}" = 1 ] && [ "$ngpu" -ge "${WORLD2:-2}" ]; then  # FLA's CP kernels too (WORLD2 ranks)
-          timeout $(( $(left) - 60 )) python3 scripts/warm_fla_cache.py --cp --world "${WORLD2:-2}" --heads "$h" \
+          timeout $(tl 60) python3 scripts/warm_fla_cache.py --cp --world "${WORLD2:-2}" --heads "$h" \
             --port $(( 29700 + h )) \
             >> "$OUT/warm.log" 2>&1 &
           warm_pids+=($!)
         fi
       done;;
     tests)
-      timeout $(( $(left) - 30 )) python3 -m pytest -q -s -p no:cacheprovider --durations=8 \
+      timeout $(tl 30) python3 -m pytest -q -s -p no:cacheprovider --durations=8 \
         ${TEST_FILES:-tests/gpu/test_workspace_cuda.py tests/gpu/test_fwd_cuda.py tests/gpu/test_bwd_cuda.py} \
         > "$OUT/tests.log" 2>&1
       grep -E "rel|vs |passed|failed|Error|assert" "$OUT/tests.log" | tail -40
       add "tests: $(tail -1 "$OUT/tests.log")";;
     nccl)
       if [ "$ngpu" -lt "${KDA_KCP_TEST_WORLD:-2}" ]; then add "nccl: skipped ($ngpu GPU)"; continue; fi
-      timeout $(( $(left) - 30 )) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kcp_nccl.py \
+      timeout $(tl 30) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kcp_nccl.py \
         > "$OUT/nccl.log" 2>&1
       grep -E "FAILED|W=[0-9]+ o|passed|failed|ok$" "$OUT/nccl.log" | tail -40
       add "nccl: $(tail -1 "$OUT/nccl.log")";;
     bench1)
       wait_warm
-      timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS --ops $OPS \
+      timeout $(tl 20) python3 benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS --ops $OPS \
         --arms det nd control fla ${BENCH_ARGS:-} --json "$OUT/bench_w1.json" --plot "$OUT/bench_w1.png" \
         > "$OUT/bench_w1.log" 2>&1
       add "bench1 rc=$?"; tail -45 "$OUT/bench_w1.log";;
     bench2)
       wait_warm
       if [ "$ngpu" -lt "${WORLD2:-2}" ]; then add "bench2: skipped ($ngpu GPU)"; continue; fi
-      timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py --world "${WORLD2:-2}" --heads $HEADS2 --ops $OPS \
+      timeout $(tl 20) python3 benchmarks/bench_kda_kcp.py --world "${WORLD2:-2}" --heads $HEADS2 --ops $OPS \
         ${BENCH2_ARGS:-} --json "$OUT/bench_w2.json" --plot "$OUT/bench_w2.png" > "$OUT/bench_w2.log" 2>&1
       add "bench2 rc=$?"; tail -60 "$OUT/bench_w2.log";;
     ab)
       for v in ${AB_VALUES:-8 16}; do
-        env "${AB_VAR:-KDA_KCP_BWD_GRADS_WARPS}=$v" timeout $(( $(left) - 20 )) python3 benchmarks/bench_kda_kcp.py \
+        env "${AB_VAR:-KDA_KCP_BWD_GRADS_WARPS}=$v" timeout $(tl 20) python3 benchmarks/bench_kda_kcp.py \
           --world 1 --heads $HEADS --ops ${AB_OPS:-bwd} --arms det --groups 2 --iters 5 --no-oracle \
           --json "$OUT/ab_$v.json" > "$OUT/ab_$v.log" 2>&1
         add "ab ${AB_VAR:-KDA_KCP_BWD_GRADS_WARPS}=$v rc=$?: $(grep -E '^\| ' "$OUT/ab_$v.log" | tail -4 | tr '\n' ' ')"
@@ -102,14 +104,14 @@ for st in "$@"; do
     ncu)  # one fwd + bwd per head count in $NCU_HEADS (default 16) -> $OUT/ncu.log (16) or ncu_h$H.log
       for nh in ${NCU_HEADS:-16}; do
         log="$OUT/ncu.log"; [ "$nh" = 16 ] || log="$OUT/ncu_h$nh.log"
-        timeout $(( $(left) - 20 )) ncu --clock-control none --launch-skip 0 --launch-count 12 \
+        timeout $(tl 20) ncu --clock-control none --launch-skip 0 --launch-count 12 \
           --kernel-name-base demangled -k "regex:prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" --section SpeedOfLight --section Occupancy \
           --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
           python3 scripts/profile_step.py --heads "$nh" > "$log" 2>&1
         add "ncu H=$nh rc=$?"; grep -E "^  [a-z_].*\(|Duration" "$log" | paste - - | sed -E 's/ +/ /g' | cut -c1-150
       done;;
     ncu_src)  # the full section set with source-line sampling for the kernels in $NCU_KERNELS (one launch each)
-      timeout $(( $(left) - 40 )) ncu --clock-control none --set full --import-source yes \
+      timeout $(tl 40) ncu --clock-control none --set full --import-source yes \
         --kernel-name-base demangled -k "regex:${NCU_KERNELS:-grads_kernel}" --launch-count ${NCU_COUNT:-1} \
         -o /tmp/src python3 scripts/profile_step.py --heads 16 > "$OUT/ncu_src.log" 2>&1
       add "ncu_src rc=$?"
@@ -120,7 +122,7 @@ for st in "$@"; do
     sanitize)  # compute-sanitizer on one small fwd + bwd (segmented walks forced), each tool as time allows
       for tool in memcheck racecheck initcheck; do
         if [ "$(left)" -lt 40 ]; then add "sanitize $tool: no time left"; continue; fi
-        KDA_KCP_SEG_CHUNKS=2 KDA_KCP_BWD_SEG_CHUNKS=2 timeout $(( $(left) - 20 )) compute-sanitizer --tool $tool \
+        KDA_KCP_SEG_CHUNKS=2 KDA_KCP_BWD_SEG_CHUNKS=2 timeout $(tl 20) compute-sanitizer --tool $tool \
           --print-limit 20 python3 scripts/profile_step.py --heads 2 --docs 1 65 700 300 > "$OUT/sanitize_$tool.log" 2>&1
         add "sanitize $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
       done;;
