@@ -100,7 +100,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=8, help="timed iterations per visit")
     p.add_argument("--groups", type=int, default=3, help="palindromic groups per cell")
     p.add_argument("--quick", action="store_true", help="groups=1, iters=3")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (rewritten after every cell; \"complete\" is false until the last)")
     p.add_argument("--plot", metavar="PATH", help="draw speedup vs FLA per row to a PNG (needs matplotlib)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--docs", nargs="+", type=int, default=None, help="document lengths (overrides the batch)")
@@ -684,9 +684,25 @@ class Bench:
         meta = self.header()
         layouts = [Layout(self, name) for name in a.layouts]
         accuracy = None
+        rows = []
+
+        def save(complete):
+            """The JSON so far (rank 0), rewritten after every cell, so that a run cut short by a time limit keeps
+            the cells it finished ("complete": false until the last cell)."""
+            meta["wall_s"] = round(time.perf_counter() - self.t0, 1)
+            result = {"meta": meta, "complete": complete, "rows": rows, "accuracy": accuracy}
+            if self.rank == 0 and a.json:
+                path = Path(a.json)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(path.name + ".tmp")
+                with open(tmp, "w") as f:
+                    json.dump(result, f, indent=1)
+                tmp.replace(path)
+            return result
+
         if not a.no_oracle:
             accuracy = self.accuracy(a.layouts)
-        rows = []
+            save(False)
         n_cells, i = len(a.heads) * len(layouts) * len(a.ops), 0
         for H in a.heads:
             for lay in layouts:
@@ -702,15 +718,12 @@ class Bench:
                     rows.append(row)
                     self.log(f"[{i}/{n_cells}] {progress_line(row)} ({time.perf_counter() - t_cell:.1f} s"
                              + (f", inputs {t_cell - t_in:.1f} s" if op == a.ops[0] else "") + ")")
+                    save(False)
                 del x, do
                 self.free()
-        meta["wall_s"] = round(time.perf_counter() - self.t0, 1)
-        result = {"meta": meta, "rows": rows, "accuracy": accuracy}
+        result = save(True)
         if self.rank == 0:
             if a.json:
-                Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-                with open(a.json, "w") as f:
-                    json.dump(result, f, indent=1)
                 print(f"wrote {a.json}", flush=True)
             if a.plot:
                 plot(result, a.plot)
