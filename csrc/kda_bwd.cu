@@ -598,6 +598,8 @@ constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
 constexpr int S_DB = S_CS + 2048;       // fp32 [4 CG][64] partial row sums for dbeta
 static_assert(B_CCL + 160 * D * 2 <= B_G && B_CCH + 160 * D * 2 <= B_CCL, "Cc sections overflow");
 static_assert(B_P + C * kPLd * 4 <= B_SDAH, "staged P overflows");
+// z hand-over: CG x 4 NT128 x 32 floats = 4 x 16 x 32 (CG NT128 = 16 for either tiling)
+static_assert(B_Z >= B_QRL + C * D * 2 && B_Z + 4 * 16 * 32 * 4 <= B_G, "z hand-over overlaps the column operands or G");
 
 // Warp tiling of the gradient kernel: NW warps = 4 row blocks of 16 x CG column groups. Each warp owns
 // 16 rows x (128 / CG) columns of the 64 x 128 accumulators; more warps, fewer registers per thread.

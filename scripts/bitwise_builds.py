@@ -14,21 +14,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kda_kcp  # noqa: E402
-from profile_step import DOCS, step_inputs  # noqa: E402
+from profile_step import DOCS, run_step  # noqa: E402
 
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 
 
 def step(H, docs):
     torch.manual_seed(0)
-    dev = torch.device("cuda")
-    cu, *inputs = step_inputs(docs, H, dev)
-    q, k, v, g, beta = (x.requires_grad_() for x in inputs)
-    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
-    o = kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=True)
-    grads = torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o))
-    return dict(zip(NAMES, (o.detach(), *grads)))
+    return dict(zip(NAMES, run_step(docs, H)))
 
 
 def main():

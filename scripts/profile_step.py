@@ -34,21 +34,25 @@ def step_inputs(docs, H, dev):
     return cu, q, k, v, g, beta
 
 
+def run_step(docs, H, deterministic=True):
+    """One forward + backward on the GPU: (o, dq, dk, dv, dg, dbeta)."""
+    dev = torch.device("cuda")
+    cu, *inputs = step_inputs(docs, H, dev)
+    q, k, v, g, beta = (x.requires_grad_() for x in inputs)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
+    o = kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=deterministic)
+    return (o.detach(), *torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o)))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--deterministic", type=int, default=1)
     p.add_argument("--docs", nargs="+", type=int, default=list(DOCS), help="document lengths")
     args = p.parse_args()
-    dev, H = torch.device("cuda"), args.heads
-    cu, *inputs = step_inputs(args.docs, H, dev)
-    q, k, v, g, beta = (x.requires_grad_() for x in inputs)
-    T = cu[-1]
-    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
-    o = kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=bool(args.deterministic))
-    torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o))
+    run_step(args.docs, args.heads, bool(args.deterministic))
     torch.cuda.synchronize()
-    print(f"profile_step: H={H} T={T} done")
+    print(f"profile_step: H={args.heads} T={sum(args.docs)} done")
 
 
 if __name__ == "__main__":
