@@ -616,11 +616,15 @@ struct GradsTiling {
 
 // Which operands of the gradient kernel are carried as bf16 hi + lo (three products) instead of hi only:
 // bit 0 S in dQg and dW; bit 1 V_new, dV_new; bit 2 A; bit 3 dW, K o e^G, dA, A^T dA, dP, s dAqk;
-// bit 4 the anchored pairwise operands (Cc sections, K and Q row operands); bit 6 dS_next in dKg.
+// bit 4 the anchored pairwise operands (Cc sections, K and Q row operands); bit 6 dS_next in dKg;
+// bit 7 dV_new in dV_new v^T and A^T dV_new (dA, dv, dbeta) when bit 1 is off.
 // (Bit 5 was S in V_new = U - W S, formed here before the walks stored V_new, always split there.)
-// Default 90 (bits 1, 3, 4, 6), chosen on the CPU emulation against the FP64 oracle and the torch
-// backend (NOTES_BWD.md): dropping bits 1, 3 or 4 raised dq/dk by ~40 % or dg ten-fold (past 1e-2),
+// Default 90 (bits 1, 3, 4, 6), chosen on the CPU emulation against the FP64 oracle and the torch backend
+// (NOTES.md, "The backward v1"): dropping bits 1, 3 or 4 raised dq/dk by ~40 % or dg ten-fold (past 1e-2),
 // dropping bit 6 tripled dk/dv errors with incoming state gradients; bits 0, 2, 5 cost nothing visible.
+// Measured on the H200 (session 14): 88 (bit 1 off) makes this kernel 6 % faster but W = 2 over NCCL then
+// disagrees with W = 1 by 2.3e-3 on dbeta (bound 2e-3) and the errors against FP64 rise to 2.4e-3 (benchmark
+// slice; FLA 3.0-3.3e-3); 216 (88 with bit 7) is that trade with dv and dbeta kept split.
 #ifndef KDA_BWD_SPLIT
 #define KDA_BWD_SPLIT 90
 #endif
@@ -630,6 +634,7 @@ constexpr bool kSA = (KDA_BWD_SPLIT >> 2) & 1;
 constexpr bool kSD = (KDA_BWD_SPLIT >> 3) & 1;
 constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
 constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
+constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^T and A^T dV_new
 
 // Value half z of S (hi, from h) and dS (hi + lo, from dh) (kda_bwd.h) into the swizzled S^T, dS^T tiles [value
 // column 64][key 128], through registers: a 16-byte piece holds 8 adjacent keys of one value column, copied as
@@ -699,9 +704,9 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
   for (int z = 0; z < 2; ++z) {
     load_walk_tile<NT>(B16(a_vn(z, kVNH)), rec + kRecVn, z, 0, tid);
-    load_walk_tile<NT>(B16(a_vn(z, kVNL)), rec + kRecVn, z, 1, tid);
+    if (kSV) load_walk_tile<NT>(B16(a_vn(z, kVNL)), rec + kRecVn, z, 1, tid);
     load_walk_tile<NT>(B16(a_vn(z, kDVH)), rec + kRecDvn, z, 0, tid);
-    load_walk_tile<NT>(B16(a_vn(z, kDVL)), rec + kRecDvn, z, 1, tid);
+    if (kSVB) load_walk_tile<NT>(B16(a_vn(z, kDVL)), rec + kRecDvn, z, 1, tid);
   }
   load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, tid);
   if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, tid);
@@ -728,12 +733,12 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     wgemm<1, NT128, 64, true, kSV, 128, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), nullptr, n128, 0, 64, lane);
     wgemm<1, NT128, 64, true, kSV, 128, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
     wgemm<1, NT64, 128, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
-    wgemm<1, NT64, 64, true, kSV, 128, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
+    wgemm<1, NT64, 64, true, kSVB, 128, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
     {
       // dVb (half) = A^T dV_new -> dv = beta dVb; dbeta partial sum(dVb o v)
       float acc[1][NT64][4];
       zero(acc);
-      wgemm<1, NT64, 64, true, kSA, 64, false, kSV>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
+      wgemm<1, NT64, 64, true, kSA, 64, false, kSVB>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
       float rs[2] = {0.f, 0.f};
       bf16* dv = static_cast<bf16*>(a.dv);
       epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {

@@ -8,6 +8,7 @@
 #   BITWISE="M E"                  the first build is the reference, each other is compared with it (empty: none)
 #   NCU_ORDER="M E E M"  NCU_KERNELS=grads_kernel  NCU_COUNT=2   ncu durations (ms) of each launch, per visit
 #   AB_ORDER="M E M E"  AB_HEADS=16  AB_OPS=bwd                 bench_kda_kcp.py --arms det --no-oracle, per visit
+#   ERR_ON="M E"                   errors against the FP64 oracle on the benchmark's accuracy slice, per build
 #   BUDGET=540                      seconds for the whole call; a stage with too little time left is skipped
 #
 # Device command (carry .whl and every build folder):
@@ -35,6 +36,12 @@ if [ -n "${TEST_ON:-}" ]; then
     ${TEST_FILES:-tests/gpu/test_bwd_cuda.py} > "$OUT/tests_$TEST_ON.log" 2>&1
   note "tests $TEST_ON: $(tail -1 "$OUT/tests_$TEST_ON.log")"
 fi
+for b in ${ERR_ON:-}; do
+  use "$b"
+  timeout 120 python3 benchmarks/bench_kda_kcp.py --world 1 --heads 4 --ops fwd --arms det --groups 1 --iters 1 \
+    > "$OUT/err_$b.log" 2>&1
+  note "errors $b: $(grep -E '^\| contiguous +\| det' "$OUT/err_$b.log" | head -1 | tr -s ' ')"
+done
 set -- ${BITWISE:-}
 if [ $# -ge 2 ]; then
   ref=$1; shift

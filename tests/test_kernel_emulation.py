@@ -66,6 +66,7 @@ def _build(out: Path) -> Path:
         units[-1].write_text(_emulated((ROOT / "csrc" / f"{name}.cu").read_text()))
     lib = out / "libkda_emu.so"
     subprocess.run(["g++", "-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", f"-I{inc}", f"-I{ROOT / 'csrc'}",
+                    *os.environ.get("KDA_EMU_DEFINES", "").split(),  # e.g. -DKDA_BWD_SPLIT=80: a variant's build
                     "-x", "c++", *map(str, units), str(EMU / "driver.cpp"), "-o", str(lib)], check=True)
     return lib
 
