@@ -67,6 +67,7 @@ LAYOUTS = tuple(kda_kcp.LAYOUTS)  # contiguous, zigzag, zigzag_per_document
 ARMS = ("det", "nd", "control", "fla", "fla_cp")
 OURS = ("det", "nd", "control")
 FLA_ARMS = ("fla", "fla_cp")
+NOT_RUN_AFTER_OOM = "not run: out of memory in this H's bwd cell"  # --fla-ckpt-after-bwd-oom skip
 OPS = ("fwd", "bwd", "ckpt")
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 # DESIGN.md section 7: relative RMS tolerances against the FP64 oracle (BF16 I/O)
@@ -108,6 +109,10 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=128, help="K = V (the CUDA kernels support 128 only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-oracle", action="store_true", help="skip the accuracy slice against the FP64 oracle")
+    p.add_argument("--fla-ckpt-after-bwd-oom", choices=("run", "skip"), default="run",
+                   help="skip: an FLA arm that ran out of memory in the bwd cell of the same layout and H is not run "
+                        "in its ckpt cell (reported as not run); FLA's ckpt at H = 64 can spend minutes in Triton "
+                        "autotuning before it fails")
     p.add_argument("--oracle-tokens", type=int, default=2048, help="tokens cut from the start of each of 2 documents")
     p.add_argument("--oracle-heads", type=int, default=None,
                    help="heads of the accuracy slice (default: the smallest of --heads, capped at 4)")
@@ -285,6 +290,7 @@ class Bench:
         self.chunk_kda, self.build_cp_context, fla_info = load_fla(self.cuda)
         self.fla_version = fla_info if self.chunk_kda is not None else None
         self.fla_reason = None if self.chunk_kda is not None else fla_info
+        self.bwd_oom = set()  # (layout, H, arm) that ran out of memory in a bwd cell
         self.flush_buf = torch.empty(args.flush_mib * 2**20, dtype=torch.uint8, device=device)
         self.t0 = time.perf_counter()
 
@@ -482,6 +488,10 @@ class Bench:
         args = self.args
         arms = list(args.arms)
         status = {a: self.static_reason(a, lay) for a in arms}
+        if op == "ckpt" and args.fla_ckpt_after_bwd_oom == "skip":
+            for a in arms:
+                if a in FLA_ARMS and status[a] is None and (lay.name, H, a) in self.bwd_oom:
+                    status[a] = NOT_RUN_AFTER_OOM
         pools = {a: [[] for _ in range(args.groups)] for a in arms}
         peaks = {a: [None, None] for a in arms}
 
@@ -516,6 +526,8 @@ class Bench:
                 "peak_bytes": peaks[a][0],
                 "peak_above_inputs_bytes": peaks[a][1],
             }
+        if op == "bwd":
+            self.bwd_oom |= {(lay.name, H, a) for a in arms if status[a] == "OOM"}
         row["kda_kcp_bytes"] = self.byte_queries(lay, H)
         finish_row(row)
         return row
@@ -762,6 +774,8 @@ def arm_cell(row, a):
         return "-"
     if v["ms"] is not None:
         return fmt_ms(v["ms"])
+    if v["status"] == NOT_RUN_AFTER_OOM:
+        return v["status"]
     return f"{'error' if a in OURS else 'unsupported'} ({v['status']})"
 
 
