@@ -18,12 +18,13 @@
 #              (names joined by |), summed per phase by scripts/stall_regions.py
 #   sanitize   compute-sanitizer memcheck, racecheck, initcheck on one small fwd + bwd (scripts/profile_step.py)
 #   demo       python -m kda_kcp.demo (the README's main command)
-#   cache      pack Triton's cache (binaries, metadata, autotune results) into $OUT/triton-cache-part-*; carry them back as .build/triton-cache/part-*
+#   cache      pack Triton's cache (binaries, metadata, autotune results) into $OUT/triton-cache-xz-part-* (xz); carry
+#              them back into .build/triton-cache/
 #
 # Setup (always): install the carried wheels (.whl), copy the prebuilt .so files from .build/prebuilt/<arch>
 # (built without a GPU: scripts/build_prebuilt.py; or from $PREBUILT/<arch>: carry several build folders and
-# run the stages once per folder to compare builds), unpack .build/triton-cache.tgz and
-# .build/triton-cache/part-* if carried.
+# run the stages once per folder to compare builds), unpack .build/triton-cache.tgz and the parts in
+# .build/triton-cache/ (xz, or gzip from older sessions) if carried.
 # Logs are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 # Device command, from the repository root, carrying .whl, .build/prebuilt, .build/triton-cache:
 #   bash scripts/gpu_session.sh warm tests nccl bench1 cache
@@ -137,7 +138,8 @@ for st in "$@"; do
       # binaries, metadata and autotune results only (what a cache hit reads), xz-compressed (the cubins
       # compress ~30x), in parts under the 16 MiB limit; carry them back into .build/triton-cache/
       (cd ~/.triton && find cache -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) | tar cf - -T - \
-        | { if command -v xz > /dev/null; then xz -6 -T0; else python3 -c "import lzma, shutil, sys; shutil.copyfileobj(sys.stdin.buffer, lzma.open(sys.stdout.buffer, 'w'))"; fi; } | split -b 15m - "$OUT/triton-cache-xz-part-") \
+        | { if command -v xz > /dev/null; then xz -6 -T0; else python3 -c "import lzma, shutil, sys
+with lzma.open(sys.stdout.buffer, 'w') as f: shutil.copyfileobj(sys.stdin.buffer, f)"; fi; } | split -b 15m - "$OUT/triton-cache-xz-part-") \
         && add "cache: $(du -ch "$OUT"/triton-cache-xz-part-* | tail -1 | cut -f1)";;
     *) echo "unknown stage $st"; exit 2;;
   esac
@@ -147,5 +149,5 @@ echo
 echo "== summary ($(( $(date +%s) - T0 )) s)"
 echo -e "$summary"
 for f in "$OUT"/bench_w1.log "$OUT"/bench_w2.log; do [ -f "$f" ] && sed -n '/^| /p' "$f" | head -60; done
-(cd "$OUT" && tar czf logs.tgz $(ls | grep -v -e '^triton-cache-part-' -e '\.png$') && find . -maxdepth 1 -type f \
-  ! -name logs.tgz ! -name 'triton-cache-part-*' ! -name '*.png' -delete)
+(cd "$OUT" && tar czf logs.tgz $(ls | grep -v -e '^triton-cache-' -e '\.png$') && find . -maxdepth 1 -type f \
+  ! -name logs.tgz ! -name 'triton-cache-*' ! -name '*.png' -delete)
