@@ -48,7 +48,11 @@ mkdir -p ~/.triton
 if [ -f .build/triton-cache.tgz ]; then tar xzf .build/triton-cache.tgz -C ~/.triton; fi
 # the cache stage's parts: xz (cache-xz-part-*, ~30x smaller than the tree: 200 MB -> 7 MB) or gzip (older sessions)
 xzp=$(ls .build/triton-cache/*xz-part-* 2> /dev/null); gzp=$(ls .build/triton-cache/*part-* 2> /dev/null | grep -v xz-part)
-xzcat() { if command -v xz > /dev/null; then xz -dc; else python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"; fi; }
+# xz on a pipe, through Python's lzma where the machine has no xz binary
+xzc() { if command -v xz > /dev/null; then xz -6 -T0; else python3 -c "import lzma, shutil, sys
+with lzma.open(sys.stdout.buffer, 'w') as f: shutil.copyfileobj(sys.stdin.buffer, f)"; fi; }
+xzcat() { if command -v xz > /dev/null; then xz -dc; else python3 -c "import lzma, shutil, sys
+with lzma.open(sys.stdin.buffer) as f: shutil.copyfileobj(f, sys.stdout.buffer)"; fi; }
 [ -n "$xzp" ] && cat $xzp | xzcat | tar xf - -C ~/.triton
 [ -n "$gzp" ] && cat $gzp | tar xzf - -C ~/.triton
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -138,8 +142,7 @@ for st in "$@"; do
       # binaries, metadata and autotune results only (what a cache hit reads), xz-compressed (the cubins
       # compress ~30x), in parts under the 16 MiB limit; carry them back into .build/triton-cache/
       (cd ~/.triton && find cache -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) | tar cf - -T - \
-        | { if command -v xz > /dev/null; then xz -6 -T0; else python3 -c "import lzma, shutil, sys
-with lzma.open(sys.stdout.buffer, 'w') as f: shutil.copyfileobj(sys.stdin.buffer, f)"; fi; } | split -b 15m - "$OUT/triton-cache-xz-part-") \
+        | xzc | split -b 15m - "$OUT/triton-cache-xz-part-") \
         && add "cache: $(du -ch "$OUT"/triton-cache-xz-part-* | tail -1 | cut -f1)";;
     *) echo "unknown stage $st"; exit 2;;
   esac
