@@ -5,10 +5,10 @@
 //                                          cores, A = (I + L)^-1 in FP32 (blocked substitution), W, U, Kg,
 //                                          s Qg, gamma -> one record per chunk-head in the workspace
 //                                          (two 8-warp CTAs per SM, the forward prep's shape).
-//   fwd_walk_kernel  (run, head, 64 cols): S^T in registers (FP32 accumulators), serial over the run's
+//   fwd_walk_kernel  (run, head):          S^T in registers (FP32 accumulators), serial over the run's
 //                                          chunks: writes h (state entering each chunk, bf16 hi only,
 //                                          kHiStateBytes) and V_new (bf16 hi + lo, over U in the record).
-//   rev_walk_kernel  (run, head, 64 cols): dS^T in registers, serial from the run's end: writes dh
+//   rev_walk_kernel  (run, head):          dS^T in registers, serial from the run's end: writes dh
 //                                          (gradient of the state leaving each chunk, bf16 hi + lo) and dV_new
 //                                          (bf16 hi + lo, into the record), or the backward summary
 //                                          (M^T | F) of a run from a zero dS.
@@ -262,12 +262,23 @@ __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
 }
 
 // ================================================================================================
-// walks: one CTA per (run or segment, head, 64 state columns: value columns, or virtual [M^T | F] /
+// walks: one CTA per (run or segment, head, WCOLS state columns: value columns, or virtual [M^T | F] /
 // [M | E] columns in summary mode); the state is held transposed, ST[v][d], as mma accumulators.
-// 4 warps per CTA, each owning 16 columns x all 128 keys.
+// WNW warps per CTA, each owning 16 columns x all 128 keys.
+//
+// 8 warps (128 columns: the whole state of a (run, head)) by default. With 4 warps (64 columns, two CTAs per
+// (run, head)) both CTAs load the same W, Kg, Qg, Aqk and gamma every step, and a reverse-walk CTA (148 KB of
+// shared memory) takes an SM alone: at H = 16 the 128 reverse and 128 forward walk CTAs of the benchmark batch
+// could not all be resident, and the longest run's reverse walk started 2 ms late (timeline_step.py, session 15).
+// With 8 warps a (run, head) is one CTA of each walk, the records are read once per step, and 64 + 64 CTAs fit.
 // ================================================================================================
-constexpr int WNT = 4 * 32;            // threads per walk CTA
-constexpr int WCOLS = 64;              // state columns per walk CTA
+#ifndef KDA_BWD_WALK_WARPS
+#define KDA_BWD_WALK_WARPS 8
+#endif
+constexpr int WNW = KDA_BWD_WALK_WARPS;
+static_assert(WNW == 4 || WNW == 8, "4 or 8 walk warps");
+constexpr int WNT = WNW * 32;          // threads per walk CTA
+constexpr int WCOLS = 16 * WNW;        // state columns per walk CTA
 constexpr int WUL = WCOLS + 4;         // fp32 row stride of the U tile
 // forward stage: W, Kg (bf16 sw128), U tile (fp32 [64][WUL]), gamma
 constexpr int FW_W = 0;
@@ -275,16 +286,16 @@ constexpr int FW_KG = 16384;
 constexpr int FW_U = 32768;
 constexpr int FW_GAM = FW_U + C * WUL * 4;
 constexpr int FW_STAGE = FW_GAM + 512;
-// reverse stage: W, Kg, Qg (bf16 sw128), Aqk hi / lo (sw64), dO tile (sw64 [64][64]), gamma
+// reverse stage: W, Kg, Qg (bf16 sw128), Aqk hi / lo (sw64), dO tile (bf16 [64][WCOLS], swizzled), gamma
 constexpr int RW_W = 0;
 constexpr int RW_KG = 16384;
 constexpr int RW_QG = 32768;
 constexpr int RW_AQH = 49152;
 constexpr int RW_AQL = 57344;
 constexpr int RW_DO = 65536;
-constexpr int RW_GAM = 73728;
+constexpr int RW_GAM = RW_DO + C * WCOLS * 2;
 constexpr int RW_STAGE = RW_GAM + 512;
-static_assert(WCOLS == 64, "the dO tile is a 64-column swizzled tile");
+static_assert(2 * RW_STAGE <= 232448 && 2 * FW_STAGE <= 232448, "walk shared memory");
 
 // One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk) for token step ks, as the
 // split A fragments hi / lo, into its half of a record slot (kRecVn / kRecDvn layout; `half` = the slot +
@@ -393,7 +404,7 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
     const float* sGam = reinterpret_cast<const float*>(st + FW_GAM);
     // h of this chunk: the state entering it
     if constexpr (!SUMMARY) {
-      store_state<false>(state_half(a.h, first + j, h, H, col0, kHiStateBytes, kHiHalfBytes), ST, warp, lane);
+      store_state<false>(state_half(a.h, first + j, h, H, vcol & 64, kHiStateBytes, kHiHalfBytes), ST, warp & 3, lane);
     }
     // V_new^T = U^T - S^T W^T
     float VN[8][4];
@@ -406,9 +417,9 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
     if constexpr (!SUMMARY) {  // V_new over this chunk's U (read above, from the stage)
-      char* vn = half_slot(a, first + j, h, kRecVn, col0);
+      char* vn = half_slot(a, first + j, h, kRecVn, vcol & 64);
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) store_half_frag(vn, vh[ks], vl[ks], warp, ks, lane);
+      for (int ks = 0; ks < 4; ++ks) store_half_frag(vn, vh[ks], vl[ks], warp & 3, ks, lane);
     }
     // S^T = S^T Diag(gamma) + V_new^T Kg
     decay_state(ST, sGam, l4);
@@ -434,9 +445,9 @@ __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, i
     load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, tid);
     const int64_t tok = a.chunks[2 * c];
     const int nrows = a.chunks[2 * c + 1];
-    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_DO),
-                       static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D,
-                       nrows, tid);
+    load_bf16<WCOLS, WNT>(reinterpret_cast<bf16*>(st + RW_DO),
+                          static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D,
+                          nrows, tid);
   }
 }
 
@@ -485,7 +496,7 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     const bf16* sDO = reinterpret_cast<const bf16*>(st + RW_DO);
     const float* sGam = reinterpret_cast<const float*>(st + RW_GAM);
     if constexpr (!SUMMARY) {
-      store_state<true>(state_half(a.dh, first + j, h, H, col0, kSplitStateBytes, kSplitHalfBytes), ST, warp, lane);
+      store_state<true>(state_half(a.dh, first + j, h, H, vcol & 64, kSplitStateBytes, kSplitHalfBytes), ST, warp & 3, lane);
     }
     // dV_new^T = dO^T Aqk + dS^T Kg^T
     float DV[8][4];
@@ -494,7 +505,7 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         uint32_t ad[4];
-        lda_t<64>(ad, sDO, vloc, ks * 16, lane);
+        lda_t<WCOLS>(ad, sDO, vloc, ks * 16, lane);
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           if (np <= ks) {
@@ -509,12 +520,12 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     }
     state_tile_mul<false>(DV, ST, sKg, lane);
     if constexpr (!SUMMARY) {  // dV_new for the gradient kernel (split again below: fewer live registers)
-      char* dvn = half_slot(a, first + j, h, kRecDvn, col0);
+      char* dvn = half_slot(a, first + j, h, kRecDvn, vcol & 64);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         uint32_t vh[4], vl[4];
         split_afrag(DV[2 * ks], DV[2 * ks + 1], vh, vl);
-        store_half_frag(dvn, vh, vl, warp, ks, lane);
+        store_half_frag(dvn, vh, vl, warp & 3, ks, lane);
       }
     }
     // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
@@ -523,7 +534,7 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         uint32_t ad[4];
-        lda_t<64>(ad, sDO, vloc, ks * 16, lane);
+        lda_t<WCOLS>(ad, sDO, vloc, ks * 16, lane);
 #pragma unroll
         for (int np = 0; np < 8; ++np) {
           uint32_t b[4];

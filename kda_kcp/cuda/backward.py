@@ -5,7 +5,7 @@
 
 Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writes one 160.5 KiB record
 (W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma; room for dV_new); a forward walk
-per (run, head, 64 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
+per (run, head) (one 8-warp CTA of all 128 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
 walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries (the two walks,
 with their summaries and folds, run on two streams: ``_both_walks``); a gradient
 kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as bf16
@@ -136,8 +136,11 @@ def _pass_time(lengths, copies: int, slots: int) -> float:
 
 def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
     """Chunks per segment minimising a list-scheduling estimate of the two walks (a pure function of the
-    shapes). Walk CTAs: 2 per (segment, head); summary CTAs: 4 per (non-final segment, head), one CTA per
-    SM. ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0`` keeps whole runs."""
+    shapes). The estimate counts work in 64-column tiles of the state: 2 per (segment, head) for a walk, 4 per
+    (non-final segment, head) for a summary, one tile per SM at a time. That is the unit it was calibrated in
+    (4-warp walk CTAs of 64 columns); the kernels now run a (segment, head) as one 8-warp CTA of 128 columns,
+    and counting such a CTA as one slot chose 66-chunk segments at H = 16, measured 38.4 ms against 32.3 ms
+    for whole runs (NOTES.md, session 15). ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0`` keeps whole runs."""
     forced = os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", "").strip()
     longest = max(run_chunks, default=1)
     if forced:

@@ -1,0 +1,115 @@
+#!/usr/bin/env python
+"""Where a step's wall time goes: every GPU kernel and copy of one timed forward or backward on the benchmark
+batch (W = 1), from torch.profiler's trace, with its stream, start and length, and the idle time between them.
+
+The benchmark times `bwd` as the backward of an untimed forward (CUDA events around `torch.autograd.grad`);
+ncu gives kernel durations one at a time. Neither says how much of the wall is kernels, how much is the
+walks' two streams overlapping, and how much is the GPU waiting for the host. This does:
+
+    python scripts/timeline_step.py --heads 16 --op bwd --trace $OUT/trace.json
+
+Prints one line per kernel (start offset and duration in us, stream, name) and a summary: the span from the
+first kernel's start to the last one's end, the time some kernel is running (the union over streams), and the
+idle gaps longer than --gap us.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kda_kcp  # noqa: E402
+from profile_step import DOCS, step_inputs  # noqa: E402
+
+
+def short(name: str) -> str:
+    for key in ("prep_kernel", "fwd_walk_kernel", "rev_walk_kernel", "walk_kernel", "grads_kernel", "merge", "fold"):
+        if key in name:
+            tmpl = name[name.find(key):]
+            return tmpl.split("(")[0][:48]
+    return name[:48]
+
+
+def kernels_of(trace_path: Path):
+    ev = json.loads(trace_path.read_text())["traceEvents"]
+    out = []
+    for e in ev:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        out.append((float(e["ts"]), float(e["dur"]), e.get("tid"), e["cat"], e["name"]))
+    return sorted(out)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--op", choices=("fwd", "bwd"), default="bwd")
+    p.add_argument("--warm", type=int, default=2, help="untimed steps first")
+    p.add_argument("--gap", type=float, default=5.0, help="report idle gaps longer than this (us)")
+    p.add_argument("--trace", type=Path, default=Path("/tmp/kda_trace.json"))
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    cu, *inputs = step_inputs(DOCS, args.heads, dev)
+    q, k, v, g, beta = (x.requires_grad_() for x in inputs)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
+    do = torch.randn(q.shape, device=dev, dtype=torch.bfloat16)
+
+    def fwd():
+        return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=True)
+
+    x = (q, k, v, g, beta)
+    for _ in range(args.warm):
+        torch.autograd.grad(fwd(), x, do)
+    torch.cuda.synchronize()
+    o = fwd() if args.op == "bwd" else None
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        start.record()
+        if args.op == "bwd":
+            torch.autograd.grad(o, x, do)  # as the benchmark's bwd op: no .grad accumulation
+        else:
+            o = fwd()
+        end.record()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(args.trace))
+    ks = kernels_of(args.trace)
+    if not ks:
+        print("no kernels in the trace")
+        return
+    t0 = ks[0][0]
+    streams = {}
+    for ts, dur, tid, cat, name in ks:
+        s = streams.setdefault(tid, len(streams))
+        print(f"{ts - t0:10.1f} {dur:9.1f}  s{s}  {cat[4:] if cat != 'kernel' else '':7s} {short(name)}")
+    busy, cur_s, cur_e = 0.0, None, None
+    gaps = []
+    for ts, dur, *_ in ks:
+        if cur_e is None or ts > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+                if ts - cur_e > args.gap:
+                    gaps.append((cur_e - t0, ts - cur_e))
+            cur_s, cur_e = ts, ts + dur
+        else:
+            cur_e = max(cur_e, ts + dur)
+    busy += cur_e - cur_s
+    span = cur_e - t0
+    print(f"\n{args.op} H={args.heads}: events {start.elapsed_time(end) * 1e3:.0f} us, kernel span {span:.0f} us, "
+          f"some kernel running {busy:.0f} us, idle {span - busy:.0f} us in {len(gaps)} gaps > {args.gap} us")
+    for at, length in gaps:
+        print(f"  gap at {at:10.1f} us: {length:8.1f} us")
+    by = {}
+    for ts, dur, tid, cat, name in ks:
+        by[short(name)] = by.get(short(name), 0.0) + dur
+    print("time per kernel name (us, summed over streams):")
+    for name, t in sorted(by.items(), key=lambda x: -x[1]):
+        print(f"  {t:9.1f}  {name}")
+
+
+if __name__ == "__main__":
+    main()
