@@ -264,38 +264,32 @@ __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
 // ================================================================================================
 // walks: one CTA per (run or segment, head, WCOLS state columns: value columns, or virtual [M^T | F] /
 // [M | E] columns in summary mode); the state is held transposed, ST[v][d], as mma accumulators.
-// WNW warps per CTA, each owning 16 columns x all 128 keys.
+// NW warps per CTA (4 or 8, chosen per launch), each owning 16 columns x all 128 keys.
 //
-// 8 warps (128 columns: the whole state of a (run, head)) by default. With 4 warps (64 columns, two CTAs per
+// 8 warps cover the whole state of a (run, head) (128 value columns) in one CTA. With 4 (64 columns, two CTAs per
 // (run, head)) both CTAs load the same W, Kg, Qg, Aqk and gamma every step, and a reverse-walk CTA (148 KB of
 // shared memory) takes an SM alone: at H = 16 the 128 reverse and 128 forward walk CTAs of the benchmark batch
 // could not all be resident, and the longest run's reverse walk started 2 ms late (timeline_step.py, session 15).
-// With 8 warps a (run, head) is one CTA of each walk, the records are read once per step, and 64 + 64 CTAs fit.
+// With 8 warps 64 + 64 CTAs fit and the records are read once per step. But an 8-warp CTA steps slower than a
+// 4-warp one alone on its SM (two warps per SM sub-partition): a launch of few CTAs (the KCP exchange's run
+// summaries) is a chain of latency-bound steps, and there 4 warps are faster. kda_kcp/cuda/backward.py chooses.
 // ================================================================================================
-#ifndef KDA_BWD_WALK_WARPS
-#define KDA_BWD_WALK_WARPS 8
-#endif
-constexpr int WNW = KDA_BWD_WALK_WARPS;
-static_assert(WNW == 4 || WNW == 8, "4 or 8 walk warps");
-constexpr int WNT = WNW * 32;          // threads per walk CTA
-constexpr int WCOLS = 16 * WNW;        // state columns per walk CTA
-constexpr int WUL = WCOLS + 4;         // fp32 row stride of the U tile
-// forward stage: W, Kg (bf16 sw128), U tile (fp32 [64][WUL]), gamma
-constexpr int FW_W = 0;
-constexpr int FW_KG = 16384;
-constexpr int FW_U = 32768;
-constexpr int FW_GAM = FW_U + C * WUL * 4;
-constexpr int FW_STAGE = FW_GAM + 512;
-// reverse stage: W, Kg, Qg (bf16 sw128), Aqk hi / lo (sw64), dO tile (bf16 [64][WCOLS], swizzled), gamma
-constexpr int RW_W = 0;
-constexpr int RW_KG = 16384;
-constexpr int RW_QG = 32768;
-constexpr int RW_AQH = 49152;
-constexpr int RW_AQL = 57344;
-constexpr int RW_DO = 65536;
-constexpr int RW_GAM = RW_DO + C * WCOLS * 2;
-constexpr int RW_STAGE = RW_GAM + 512;
-static_assert(2 * RW_STAGE <= 232448 && 2 * FW_STAGE <= 232448, "walk shared memory");
+template <int NW>
+struct WalkShape {
+  static_assert(NW == 4 || NW == 8, "4 or 8 walk warps");
+  static constexpr int NT = NW * 32;      // threads per walk CTA
+  static constexpr int COLS = 16 * NW;    // state columns per walk CTA
+  static constexpr int UL = COLS + 4;     // fp32 row stride of the U tile
+  // forward stage: W, Kg (bf16 sw128), U tile (fp32 [64][UL]), gamma
+  static constexpr int FW_W = 0, FW_KG = 16384, FW_U = 32768;
+  static constexpr int FW_GAM = FW_U + C * UL * 4;
+  static constexpr int FW_STAGE = FW_GAM + 512;
+  // reverse stage: W, Kg, Qg (bf16 sw128), Aqk hi / lo (sw64), dO tile (bf16 [64][COLS], swizzled), gamma
+  static constexpr int RW_W = 0, RW_KG = 16384, RW_QG = 32768, RW_AQH = 49152, RW_AQL = 57344, RW_DO = 65536;
+  static constexpr int RW_GAM = RW_DO + C * COLS * 2;
+  static constexpr int RW_STAGE = RW_GAM + 512;
+  static_assert(2 * RW_STAGE <= 232448 && 2 * FW_STAGE <= 232448, "walk shared memory");
+};
 
 // One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk) for token step ks, as the
 // split A fragments hi / lo, into its half of a record slot (kRecVn / kRecDvn layout; `half` = the slot +
@@ -350,7 +344,11 @@ __device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGa
 
 // (The stage loads re-read the thread index: their per-thread offsets are then recomputed at each step instead of
 // being hoisted out of the chunk loop and held across the step's products.)
+template <int NW>
 __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU) {
+  using Sh = WalkShape<NW>;
+  constexpr int WNT = Sh::NT, WCOLS = Sh::COLS, WUL = Sh::UL, FW_W = Sh::FW_W, FW_KG = Sh::FW_KG, FW_U = Sh::FW_U,
+                FW_GAM = Sh::FW_GAM;
   const int tid = thread_index();
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
@@ -365,8 +363,10 @@ __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, i
 // when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written.
 // SUMMARY: virtual columns [M (0..127) | E (128..255)] of the segment's affine map from a zero state,
 // grid.z = 4, written to m_out[idx] / e_out[idx] (M indexed [key_out][key_in]).
-template <bool SUMMARY>
-__global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
+template <bool SUMMARY, int NW>
+__global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
+  using Sh = WalkShape<NW>;
+  constexpr int WCOLS = Sh::COLS, WUL = Sh::UL, FW_STAGE = Sh::FW_STAGE;
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x, h = blockIdx.y, H = a.H;
@@ -386,22 +386,22 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
     }
     state_tile_init<!SUMMARY>(ST, src, !withU, vcol, g4, l4);
   }
-  if (nc > 0) fwd_stage_load(smem, a, first, h, col0, withU);
+  if (nc > 0) fwd_stage_load<NW>(smem, a, first, h, col0, withU);
   cp_async_commit();
   for (int j = 0; j < nc; ++j) {
     char* st = smem + (j & 1) * FW_STAGE;
     if (j + 1 < nc) {
-      fwd_stage_load(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU);
+      fwd_stage_load<NW>(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU);
       cp_async_commit();
       cp_async_wait1();
     } else {
       cp_async_wait_all();
     }
     __syncthreads();
-    const bf16* sW = reinterpret_cast<const bf16*>(st + FW_W);
-    const bf16* sKg = reinterpret_cast<const bf16*>(st + FW_KG);
-    const float* sU = reinterpret_cast<const float*>(st + FW_U);
-    const float* sGam = reinterpret_cast<const float*>(st + FW_GAM);
+    const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::FW_W);
+    const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::FW_KG);
+    const float* sU = reinterpret_cast<const float*>(st + Sh::FW_U);
+    const float* sGam = reinterpret_cast<const float*>(st + Sh::FW_GAM);
     // h of this chunk: the state entering it
     if constexpr (!SUMMARY) {
       store_state<false>(state_half(a.h, first + j, h, H, vcol & 64, kHiStateBytes, kHiHalfBytes), ST, warp & 3, lane);
@@ -433,7 +433,11 @@ __global__ void __launch_bounds__(WNT) fwd_walk_kernel(const Args a) {
   }
 }
 
+template <int NW>
 __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF) {
+  using Sh = WalkShape<NW>;
+  constexpr int WNT = Sh::NT, WCOLS = Sh::COLS, RW_W = Sh::RW_W, RW_KG = Sh::RW_KG, RW_QG = Sh::RW_QG,
+                RW_AQH = Sh::RW_AQH, RW_AQL = Sh::RW_AQL, RW_DO = Sh::RW_DO, RW_GAM = Sh::RW_GAM;
   const int tid = thread_index();
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
@@ -452,8 +456,10 @@ __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, i
 }
 
 // SUMMARY: virtual columns [M^T (0..127) | F (128..255)], grid.z = 4; else 128 value columns, grid.z = 2.
-template <bool SUMMARY>
-__global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
+template <bool SUMMARY, int NW>
+__global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
+  using Sh = WalkShape<NW>;
+  constexpr int WCOLS = Sh::COLS, RW_STAGE = Sh::RW_STAGE;
   extern __shared__ __align__(128) char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x, h = blockIdx.y, H = a.H;
@@ -475,26 +481,26 @@ __global__ void __launch_bounds__(WNT) rev_walk_kernel(const Args a) {
     }
     state_tile_init<!SUMMARY>(ST, src, !withF, vcol, g4, l4);
   }
-  if (nc > 0) rev_stage_load(smem, a, first + nc - 1, h, col0, withF);
+  if (nc > 0) rev_stage_load<NW>(smem, a, first + nc - 1, h, col0, withF);
   cp_async_commit();
   for (int jj = 0; jj < nc; ++jj) {
     const int j = nc - 1 - jj;
     char* st = smem + (jj & 1) * RW_STAGE;
     if (j > 0) {
-      rev_stage_load(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF);
+      rev_stage_load<NW>(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF);
       cp_async_commit();
       cp_async_wait1();
     } else {
       cp_async_wait_all();
     }
     __syncthreads();
-    const bf16* sW = reinterpret_cast<const bf16*>(st + RW_W);
-    const bf16* sKg = reinterpret_cast<const bf16*>(st + RW_KG);
-    const bf16* sQg = reinterpret_cast<const bf16*>(st + RW_QG);
-    const bf16* sAqh = reinterpret_cast<const bf16*>(st + RW_AQH);
-    const bf16* sAql = reinterpret_cast<const bf16*>(st + RW_AQL);
-    const bf16* sDO = reinterpret_cast<const bf16*>(st + RW_DO);
-    const float* sGam = reinterpret_cast<const float*>(st + RW_GAM);
+    const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::RW_W);
+    const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::RW_KG);
+    const bf16* sQg = reinterpret_cast<const bf16*>(st + Sh::RW_QG);
+    const bf16* sAqh = reinterpret_cast<const bf16*>(st + Sh::RW_AQH);
+    const bf16* sAql = reinterpret_cast<const bf16*>(st + Sh::RW_AQL);
+    const bf16* sDO = reinterpret_cast<const bf16*>(st + Sh::RW_DO);
+    const float* sGam = reinterpret_cast<const float*>(st + Sh::RW_GAM);
     if constexpr (!SUMMARY) {
       store_state<true>(state_half(a.dh, first + j, h, H, vcol & 64, kSplitStateBytes, kSplitHalfBytes), ST, warp & 3, lane);
     }
@@ -1052,11 +1058,21 @@ cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cuda
   return cudaGetLastError();
 }
 
-// A walk (or summary) over grid (rows, heads, zdim): two stages of stage_bytes.
-template <class K>
-cudaError_t launch_walk(K kern, const Args& a, int stage_bytes, int zdim, cudaStream_t s) {
+// A walk or summary kernel of NW warps over grid (rows, heads, columns / (16 NW)): two stages. REV: the reverse
+// walk's stages, else the forward walk's; SUMMARY: the 256 virtual columns [M^T | F] or [M | E], else 128.
+template <bool REV, bool SUMMARY, int NW>
+cudaError_t launch_walk_nw(const Args& a, cudaStream_t s) {
+  using Sh = WalkShape<NW>;
+  const int zdim = (SUMMARY ? 2 * D : D) / Sh::COLS;
+  if constexpr (REV) return launch(rev_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Sh::NT, 2 * Sh::RW_STAGE, a, s);
+  else return launch(fwd_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Sh::NT, 2 * Sh::FW_STAGE, a, s);
+}
+template <bool REV, bool SUMMARY>
+cudaError_t launch_walk(const Args& a, int warps, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
-  return launch(kern, dim3(a.nruns, a.H, zdim), WNT, 2 * stage_bytes, a, s);
+  if (warps == 8) return launch_walk_nw<REV, SUMMARY, 8>(a, s);
+  if (warps == 4) return launch_walk_nw<REV, SUMMARY, 4>(a, s);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -1065,18 +1081,10 @@ cudaError_t launch_prep(const Args& a, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
   return launch(prep_kernel, dim3(a.nchunks, a.H), chunk_prep::NT, chunk_prep::SMEM, a, s);
 }
-cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s) {
-  return launch_walk(fwd_walk_kernel<false>, a, FW_STAGE, D / WCOLS, s);
-}
-cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s) {
-  return launch_walk(fwd_walk_kernel<true>, a, FW_STAGE, 2 * D / WCOLS, s);
-}
-cudaError_t launch_rev_walk(const Args& a, cudaStream_t s) {
-  return launch_walk(rev_walk_kernel<false>, a, RW_STAGE, D / WCOLS, s);
-}
-cudaError_t launch_rev_summary(const Args& a, cudaStream_t s) {
-  return launch_walk(rev_walk_kernel<true>, a, RW_STAGE, 2 * D / WCOLS, s);
-}
+cudaError_t launch_fwd_walk(const Args& a, int warps, cudaStream_t s) { return launch_walk<false, false>(a, warps, s); }
+cudaError_t launch_fwd_summary(const Args& a, int warps, cudaStream_t s) { return launch_walk<false, true>(a, warps, s); }
+cudaError_t launch_rev_walk(const Args& a, int warps, cudaStream_t s) { return launch_walk<true, false>(a, warps, s); }
+cudaError_t launch_rev_summary(const Args& a, int warps, cudaStream_t s) { return launch_walk<true, true>(a, warps, s); }
 cudaError_t launch_grads(const Args& a, int warps, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
   if (warps == 16)

@@ -83,10 +83,11 @@ struct Args {
 };
 
 cudaError_t launch_prep(const Args& a, cudaStream_t s);
-cudaError_t launch_fwd_walk(const Args& a, cudaStream_t s);     // writes h
-cudaError_t launch_rev_walk(const Args& a, cudaStream_t s);     // writes dh
-cudaError_t launch_rev_summary(const Args& a, cudaStream_t s);  // writes mt_out, f_out
-cudaError_t launch_fwd_summary(const Args& a, cudaStream_t s);  // writes m_out, e_out
+// walks and summaries: warps = 4 or 8 per CTA (WalkShape in kda_bwd.cu)
+cudaError_t launch_fwd_walk(const Args& a, int warps, cudaStream_t s);     // writes h
+cudaError_t launch_rev_walk(const Args& a, int warps, cudaStream_t s);     // writes dh
+cudaError_t launch_rev_summary(const Args& a, int warps, cudaStream_t s);  // writes mt_out, f_out
+cudaError_t launch_fwd_summary(const Args& a, int warps, cudaStream_t s);  // writes m_out, e_out
 // warps: 8 or 16 per CTA (GradsTiling in kda_bwd.cu)
 cudaError_t launch_grads(const Args& a, int warps, cudaStream_t s);
 

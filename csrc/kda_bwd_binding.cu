@@ -65,6 +65,11 @@ char* check_walk_state(const TensorView& t, const char* name, int64_t nchunks, i
   return static_cast<char*>(t.data_ptr());
 }
 
+// warps per walk or summary CTA: 4 (64 state columns) or 8 (128)
+void check_walk_warps(int64_t warps) {
+  TVM_FFI_CHECK(warps == 4 || warps == 8, ValueError) << "walk warps must be 4 or 8, got " << warps;
+}
+
 // Args of the walk and summary kernels: the chunk table, the row table (rows_name) and the prep records
 // checked first.
 B::Args walk_args(const TensorView& prep, const TensorView& chunks, const TensorView& rows, const char* rows_name,
@@ -112,8 +117,9 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
 // h[c] = state entering chunk c (bf16 hi only, kda_bwd.h) of every walk row (first chunk, count, idx, src): from
 // fold[idx] when src == 1, else state_in[idx] (numel 0 = zeros).
 void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView fold,
-                  TensorView h) {
+                  TensorView h, int64_t warps) {
   const int dev = prep.device().device_id;
+  check_walk_warps(warps);
   TVM_FFI_CHECK(h.ndim() == 4, ValueError) << "h must be [Nc, H, 128, 128]";
   const int64_t H = h.size(1);
   char* hp = check_walk_state(h, "h", chunks.size(0), H, false, dev);
@@ -121,14 +127,15 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
   a.h = hp;
   a.state_in = optional_state(state_in, "state_in", H, dev);
   a.fold = optional_state(fold, "segment states", H, dev);
-  raise_on(B::launch_fwd_walk(a, stream_of(h)), "kda bwd_fwd_walk launch");
+  raise_on(B::launch_fwd_walk(a, static_cast<int>(warps), stream_of(h)), "kda bwd_fwd_walk launch");
 }
 
 // dh[c] = gradient of the state leaving chunk c (bf16 hi + lo, kda_bwd.h), walking every run from its end
 // (dstate_out or zero).
 void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
-                  TensorView fold, TensorView dh) {
+                  TensorView fold, TensorView dh, int64_t warps) {
   const int dev = prep.device().device_id;
+  check_walk_warps(warps);
   TVM_FFI_CHECK(dh.ndim() == 5, ValueError) << "dh must be [Nc, H, 2, 128, 128]";
   const int64_t H = dh.size(1);
   char* dhp = check_walk_state(dh, "dh", chunks.size(0), H, true, dev);
@@ -138,12 +145,14 @@ void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorVie
   a.dh = dhp;
   a.dstate_out = optional_state(dstate_out, "dstate_out", H, dev);
   a.fold = optional_state(fold, "segment state gradients", H, dev);
-  raise_on(B::launch_rev_walk(a, stream_of(dh)), "kda bwd_rev_walk launch");
+  raise_on(B::launch_rev_walk(a, static_cast<int>(warps), stream_of(dh)), "kda bwd_rev_walk launch");
 }
 
 // Forward summaries (M, E) of segments (rows (first chunk, count, out idx, 0)) from a zero state.
-void bwd_fwd_summary(TensorView prep, TensorView chunks, TensorView segs, TensorView m, TensorView e) {
+void bwd_fwd_summary(TensorView prep, TensorView chunks, TensorView segs, TensorView m, TensorView e,
+                     int64_t warps) {
   const int dev = prep.device().device_id;
+  check_walk_warps(warps);
   TVM_FFI_CHECK(m.ndim() == 4, ValueError) << "M must be [n, H, 128, 128]";
   const int64_t H = m.size(1);
   check_state(m, "M", -1, H, dev);
@@ -151,14 +160,15 @@ void bwd_fwd_summary(TensorView prep, TensorView chunks, TensorView segs, Tensor
   B::Args a = walk_args(prep, chunks, segs, "segment table", H, dev);
   a.m_out = static_cast<float*>(m.data_ptr());
   a.e_out = static_cast<float*>(e.data_ptr());
-  raise_on(B::launch_fwd_summary(a, stream_of(m)), "kda bwd_fwd_summary launch");
+  raise_on(B::launch_fwd_summary(a, static_cast<int>(warps), stream_of(m)), "kda bwd_fwd_summary launch");
 }
 
 // Backward summaries of runs or segments (rows (first chunk, count, out index, 0)) from a zero dS:
 // dS_in = Mt dS_out + F.
 void bwd_rev_summary(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView mt,
-                     TensorView f) {
+                     TensorView f, int64_t warps) {
   const int dev = prep.device().device_id;
+  check_walk_warps(warps);
   TVM_FFI_CHECK(mt.ndim() == 4, ValueError) << "Mt must be [n, H, 128, 128]";
   const int64_t H = mt.size(1);
   check_state(mt, "Mt", -1, H, dev);
@@ -168,7 +178,7 @@ void bwd_rev_summary(TensorView dout, TensorView prep, TensorView chunks, Tensor
   a.dout = dout.data_ptr();
   a.mt_out = static_cast<float*>(mt.data_ptr());
   a.f_out = static_cast<float*>(f.data_ptr());
-  raise_on(B::launch_rev_summary(a, stream_of(mt)), "kda bwd_rev_summary launch");
+  raise_on(B::launch_rev_summary(a, static_cast<int>(warps), stream_of(mt)), "kda bwd_rev_summary launch");
 }
 
 // Per-chunk gradients from the prep records, h and dh; warps (8 or 16) per CTA.

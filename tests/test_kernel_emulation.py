@@ -168,7 +168,7 @@ def test_emulated_cp_async_lands_at_its_wait(tmp_path):
 
 def test_records_walks_and_summaries(emu):
     """Records vs the torch prep; h, dh (with incoming states), the walks' V_new and dV_new, and the
-    summaries M, E, M^T, F vs the torch walks."""
+    summaries M, E, M^T, F vs the torch walks, from walk CTAs of 8 and of 4 warps (bitwise equal)."""
     plan, inputs, do, sin, dso = _case([0, 70, 230], 2, 5)
     H, R = 2, plan.num_runs
     chunks, runs, prep = _prep(emu, plan, inputs)
@@ -197,23 +197,33 @@ def test_records_walks_and_summaries(emu):
     dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, dso)
     _, e_ref, m_ref = state_walk(pr, cs.steps, None, summary=True)  # each run's map from a zero start
     _, f_ref, mt_ref = reverse_walk(pr, doc, cs.steps, SCALE, None, summary=True)
-    # the summaries first: the forward walk writes V_new over U (the library's order too)
-    m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
-    assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e)) == 0
-    assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f)) == 0
-    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h)) == 0
-    assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh)) == 0
-    vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
-    vn_ref = U - W @ h_ref
-    dvn_ref = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
-    h, dh = cb.hi_states(h), cb.split_states(dh)
-    for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("M", m, m_ref), ("E", e, e_ref), ("Mt", mt, mt_ref),
-                       ("F", f, f_ref), ("V_new", vn, vn_ref), ("dV_new", dvn, dvn_ref)):
-        err = _rel(x, r)
-        print(f"emulated walk {name}: vs torch {err:.2e}")
-        assert torch.isfinite(x).all() and err <= 1e-2, name
+    vn_ref = dvn_ref = None
+    outs = {}
+    for warps in (8, 4):  # the two CTA widths of the walks: the same per-warp work, so the same bits
+        if warps == 4:
+            chunks, runs, prep = _prep(emu, plan, inputs)  # fresh records: the forward walk wrote V_new over U
+            rec = prep.view(nc, H, cb.PREP_BYTES)
+        # the summaries first: the forward walk writes V_new over U (the library's order too)
+        m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
+        assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e), warps) == 0
+        assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f), warps) == 0
+        h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+        dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+        assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h), warps) == 0
+        assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh), warps) == 0
+        vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
+        if vn_ref is None:
+            vn_ref = U - W @ h_ref
+            dvn_ref = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
+        h, dh = cb.hi_states(h), cb.split_states(dh)
+        outs[warps] = {"h": h, "dh": dh, "M": m, "E": e, "Mt": mt, "F": f, "V_new": vn, "dV_new": dvn}
+        for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("M", m, m_ref), ("E", e, e_ref), ("Mt", mt, mt_ref),
+                           ("F", f, f_ref), ("V_new", vn, vn_ref), ("dV_new", dvn, dvn_ref)):
+            err = _rel(x, r)
+            print(f"emulated {warps}-warp walk {name}: vs torch {err:.2e}")
+            assert torch.isfinite(x).all() and err <= 1e-2, (warps, name)
+    for name in outs[8]:
+        assert torch.equal(outs[8][name], outs[4][name]), f"{name}: 8-warp and 4-warp walks differ"
 
 
 def test_gradient_kernel(emu):
@@ -226,8 +236,8 @@ def test_gradient_kernel(emu):
     nc = chunks.shape[0]
     h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
     dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h)) == 0
-    assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh)) == 0
+    assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h), 8) == 0
+    assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh), 8) == 0
     ref = TorchBackend().bwd_grads(*inputs, do, SCALE, plan, None, None)
     got = {}
     for w in (16, 8):
@@ -261,21 +271,21 @@ class _Programs:
         self._ok(self.lib.e_prep(*map(_p, (q, k, v, g, beta, chunks)), chunks.shape[0], q.shape[1],
                                  ctypes.c_float(scale), _p(prep)), "bwd_prep")
 
-    def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, h):
+    def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, h, warps):
         self._ok(self.lib.e_fwd_walk(_p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0], h.shape[1],
-                                     _p(state_in), _p(fold), _p(h)), "bwd_fwd_walk")
+                                     _p(state_in), _p(fold), _p(h), warps), "bwd_fwd_walk")
 
-    def bwd_rev_walk(self, dout, prep, chunks, runs, dstate_out, fold, dh):
+    def bwd_rev_walk(self, dout, prep, chunks, runs, dstate_out, fold, dh, warps):
         self._ok(self.lib.e_rev_walk(_p(dout), _p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0],
-                                     dh.shape[1], _p(dstate_out), _p(fold), _p(dh)), "bwd_rev_walk")
+                                     dh.shape[1], _p(dstate_out), _p(fold), _p(dh), warps), "bwd_rev_walk")
 
-    def bwd_fwd_summary(self, prep, chunks, segs, m, e):
+    def bwd_fwd_summary(self, prep, chunks, segs, m, e, warps):
         self._ok(self.lib.e_fwd_summary(_p(prep), _p(chunks), chunks.shape[0], _p(segs), segs.shape[0], m.shape[1],
-                                        _p(m), _p(e)), "bwd_fwd_summary")
+                                        _p(m), _p(e), warps), "bwd_fwd_summary")
 
-    def bwd_rev_summary(self, dout, prep, chunks, runs, mt, f):
+    def bwd_rev_summary(self, dout, prep, chunks, runs, mt, f, warps):
         self._ok(self.lib.e_rev_summary(_p(dout), _p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0],
-                                        mt.shape[1], _p(mt), _p(f)), "bwd_rev_summary")
+                                        mt.shape[1], _p(mt), _p(f), warps), "bwd_rev_summary")
 
     def bwd_grads(self, q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, warps):
         self._ok(self.lib.e_grads(*map(_p, (q, k, v, g, beta, do, chunks)), chunks.shape[0], q.shape[1], _p(prep),

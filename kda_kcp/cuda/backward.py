@@ -163,13 +163,31 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
     return best[1]
 
 
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 132
+
+
+def walk_warps(demand4: int, sms: int) -> int:
+    """Warps per walk or summary CTA of a launch (csrc/kda_bwd.cu WalkShape): 4 (64 state columns per CTA) when
+    ``demand4``, the SMs the launch (with whatever runs beside it) takes at 4 warps, fits on the GPU, else 8 (128
+    columns: the records read once per step, half the CTAs; NOTES.md session 15). An 8-warp CTA steps slower than a
+    4-warp one alone on its SM, so a launch that fits keeps 4. ``KDA_KCP_BWD_WALK_WARPS=4`` or ``8`` forces one (A/Bs;
+    the results are bitwise equal either way). A pure function of the shapes."""
+    v = os.environ.get("KDA_KCP_BWD_WALK_WARPS", "auto").strip()
+    if v not in ("auto", "4", "8"):
+        raise ValueError(f"KDA_KCP_BWD_WALK_WARPS must be auto, 4 or 8, got {v!r}")
+    if v != "auto":
+        return int(v)
+    return 4 if demand4 <= sms else 8
+
+
 class SegTables:
     """int32 tables of the segmented walks (rows described in csrc/kda_bwd.h)."""
 
     def __init__(self, plan, heads: int, device):
         C = plan.chunk_size
         run_chunks = [r.num_chunks(C) for r in plan.runs]
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 132
+        sms = _sm_count(device)
         L = choose_segment_chunks(run_chunks, heads, sms)
         fwalk, rwalk, fsum, rsum, fch, rch = [], [], [], [], [], []
         nf = nr = 0
@@ -214,10 +232,15 @@ class SegTables:
         self.fchains, self.rchains = t(fch), t(rch)
         self.num_fold_f, self.num_fold_r = nf, nr
         self.num_sum_f, self.num_sum_r = len(fsum), len(rsum)
+        # both chains at once: at 4 warps a (row, head) of the reverse walk takes 2 SMs (one 148 KB CTA each), of the
+        # forward walk 1 (two 101 KB CTAs share one); a summary has twice the columns
+        self.walk_warps = walk_warps(3 * len(fwalk) * heads, sms)
+        self.summary_warps = walk_warps(6 * len(fsum) * heads, sms)
 
 
 def _seg_tables(plan, heads: int, device) -> SegTables:
-    key = ("cuda_bwd_segments", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""))
+    key = ("cuda_bwd_segments", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""),
+           os.environ.get("KDA_KCP_BWD_WALK_WARPS", ""))
     cache = plan._tables
     if key not in cache:
         cache[key] = SegTables(plan, heads, device)
@@ -522,7 +545,8 @@ class PreparedBackward:
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
             self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale)
-        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F)
+        # alone on the GPU: 4 SMs per (run, head) at 4 warps
+        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F, walk_warps(4 * len(run_ids) * H, _sm_count(self.dev)))
         return Mt, F
 
     def grads(self, state_in=None, dstate_out=None):
@@ -561,15 +585,15 @@ class PreparedBackward:
 
         def fwd_chain():
             if st.num_sum_f:
-                mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e)
+                mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e, st.summary_warps)
                 mod.merge_fold(m, e, st.fchains, sin, ffold)
-            mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h)
+            mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h, st.walk_warps)
 
         def rev_chain():
             if st.num_sum_r:
-                mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f)
+                mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f, st.summary_warps)
                 mod.merge_fold(mt, f, st.rchains, dso, rfold)
-            mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh)
+            mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh, st.walk_warps)
 
         groups = _walk_groups(self.plan, H, self.dev) if _pipeline() else None
         if groups is None:
@@ -580,9 +604,9 @@ class PreparedBackward:
 
         def launch_walks(grp, which):
             if which == "rev":
-                mod.bwd_rev_walk(do, prep, chunks, grp.rwalk, dso, rfold, dh)
+                mod.bwd_rev_walk(do, prep, chunks, grp.rwalk, dso, rfold, dh, st.walk_warps)
             else:
-                mod.bwd_fwd_walk(prep, chunks, grp.fwalk, sin, ffold, h)
+                mod.bwd_fwd_walk(prep, chunks, grp.fwalk, sin, ffold, h, st.walk_warps)
 
         def launch_grads(grp):
             rec = H * PREP_BYTES
@@ -631,9 +655,9 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
             prep, _, _ = views(p)
             mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
             if p.fsum.shape[0]:
-                mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e)
+                mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e, st.summary_warps)
             if p.rsum.shape[0]:
-                mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f)
+                mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f, st.summary_warps)
         if st.num_sum_f:
             ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
             mod.merge_fold(m, e, st.fchains, sin, ffold)
@@ -644,8 +668,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     for p in lean:
         prep, h, dh = views(p)
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
-        _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh),
-                    lambda: mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h), dev)
+        _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh, st.walk_warps),
+                    lambda: mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h, st.walk_warps), dev)
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())
 
 

@@ -85,8 +85,8 @@ def test_stages_match_torch_stages():
         "gamma": field(131072, 512, torch.float32, (128,)),
     }
     # the walks write V_new over U and dV_new after gamma (kda_bwd.h kRecVn, kRecDvn)
-    mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h)
-    mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh)
+    mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h, 8)
+    mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh, 8)
     torch.cuda.synchronize()
     vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
     cs = _chunk_set(plan, range(plan.num_runs), DEV)
@@ -223,6 +223,30 @@ def test_walks_on_two_streams_bitwise(seg, monkeypatch):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: two streams != one stream"
         assert torch.equal(c.view(torch.uint8), b.view(torch.uint8)), f"{name}: lean (2 passes) != one stream"
     print(f"walks on two streams (segments {seg or 'auto'}): bitwise equal to one stream and to the lean path")
+
+
+@pytest.mark.parametrize("seg", ["0", "3"])
+def test_walk_widths_bitwise(seg, monkeypatch):
+    """Walk and summary CTAs of 4 warps (64 state columns) and of 8 (128) do the same per-warp work: every
+    gradient and the KCP run summaries bitwise equal under KDA_KCP_BWD_WALK_WARPS = 4, 8 and the automatic choice,
+    for whole runs and 3-chunk segments (summaries and folds), with incoming states and outgoing gradients."""
+    gen = torch.Generator().manual_seed(SEED + 23)
+    cu = random_docs(9000, gen)
+    inputs, do = make_inputs(cu[-1], 4, gen)
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
+    plan = local_plan(cu)
+    R = plan.num_runs
+    sin = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
+    dso = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
+    out = {}
+    for w in ("4", "8", "auto"):
+        monkeypatch.setenv("KDA_KCP_BWD_WALK_WARPS", w)
+        out[w] = (*run_bwd(inputs, do, plan, sin, dso), *cb.bwd_summaries(*inputs, do, SCALE, plan, list(range(R))))
+    for w in ("8", "auto"):
+        for name, a, b in zip((*NAMES, "Mt", "F"), out[w], out["4"]):
+            assert torch.isfinite(a.float()).all(), (w, name)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: {w} walk warps != 4"
+    print(f"walk widths 4, 8, auto (segments {seg}): bitwise equal")
 
 
 def test_summaries_match_torch_backend():
