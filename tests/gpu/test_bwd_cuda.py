@@ -197,13 +197,10 @@ def test_segmentations_agree(monkeypatch):
             assert d <= 1e-3
 
 
-@pytest.mark.parametrize("seg", ["0", "3", ""])
-def test_walks_on_two_streams_bitwise(seg, monkeypatch):
-    """The backward's forward and reverse walk chains on two streams (the default) against one stream
-    (KDA_KCP_BWD_WALK_STREAMS=0): every gradient bitwise equal, for whole runs, 3-chunk segments (summaries
-    and folds on both streams) and the model's choice, with incoming states and outgoing gradients; the
-    lean backward (2 passes) too."""
-    gen = torch.Generator().manual_seed(SEED + 19)
+def _walk_case(seed, seg, monkeypatch):
+    """Inputs, do, the plan, incoming states and outgoing state gradients of a ~9000-token batch at H = 4,
+    with KDA_KCP_BWD_SEG_CHUNKS = seg."""
+    gen = torch.Generator().manual_seed(seed)
     cu = random_docs(9000, gen)
     inputs, do = make_inputs(cu[-1], 4, gen)
     monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
@@ -211,6 +208,16 @@ def test_walks_on_two_streams_bitwise(seg, monkeypatch):
     R = plan.num_runs
     sin = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
     dso = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
+    return inputs, do, plan, sin, dso
+
+
+@pytest.mark.parametrize("seg", ["0", "3", ""])
+def test_walks_on_two_streams_bitwise(seg, monkeypatch):
+    """The backward's forward and reverse walk chains on two streams (the default) against one stream
+    (KDA_KCP_BWD_WALK_STREAMS=0): every gradient bitwise equal, for whole runs, 3-chunk segments (summaries
+    and folds on both streams) and the model's choice, with incoming states and outgoing gradients; the
+    lean backward (2 passes) too."""
+    inputs, do, plan, sin, dso = _walk_case(SEED + 19, seg, monkeypatch)
     monkeypatch.setenv("KDA_KCP_BWD_WALK_STREAMS", "0")
     one = run_bwd(inputs, do, plan, sin, dso)
     monkeypatch.setenv("KDA_KCP_BWD_WALK_STREAMS", "1")
@@ -230,14 +237,8 @@ def test_walk_widths_bitwise(seg, monkeypatch):
     """Walk and summary CTAs of 4 warps (64 state columns) and of 8 (128) do the same per-warp work: every
     gradient and the KCP run summaries bitwise equal under KDA_KCP_BWD_WALK_WARPS = 4, 8 and the automatic choice,
     for whole runs and 3-chunk segments (summaries and folds), with incoming states and outgoing gradients."""
-    gen = torch.Generator().manual_seed(SEED + 23)
-    cu = random_docs(9000, gen)
-    inputs, do = make_inputs(cu[-1], 4, gen)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
-    plan = local_plan(cu)
+    inputs, do, plan, sin, dso = _walk_case(SEED + 23, seg, monkeypatch)
     R = plan.num_runs
-    sin = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
-    dso = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
     out = {}
     for w in ("4", "8", "auto"):
         monkeypatch.setenv("KDA_KCP_BWD_WALK_WARPS", w)
