@@ -347,22 +347,21 @@ __device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGa
 template <int NW>
 __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU) {
   using Sh = WalkShape<NW>;
-  constexpr int WNT = Sh::NT, WCOLS = Sh::COLS, WUL = Sh::UL, FW_W = Sh::FW_W, FW_KG = Sh::FW_KG, FW_U = Sh::FW_U,
-                FW_GAM = Sh::FW_GAM;
+  constexpr int NT = Sh::NT;
   const int tid = thread_index();
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
-  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
+  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
+  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
   if (withU)
-    load_f32<WNT, C, WCOLS>(reinterpret_cast<float*>(st + FW_U), WUL, reinterpret_cast<const float*>(rec + kRecU) + col0,
-                            D, C, tid);
-  load_f32<WNT, 1, D>(reinterpret_cast<float*>(st + FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
+    load_f32<NT, C, Sh::COLS>(reinterpret_cast<float*>(st + Sh::FW_U), Sh::UL,
+                              reinterpret_cast<const float*>(rec + kRecU) + col0, D, C, tid);
+  load_f32<NT, 1, D>(reinterpret_cast<float*>(st + Sh::FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
 }
 
 // Rows of a.runs: (first chunk, chunks, idx, src). Walk (!SUMMARY): the state enters from a.fold[idx]
 // when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written.
 // SUMMARY: virtual columns [M (0..127) | E (128..255)] of the segment's affine map from a zero state,
-// grid.z = 4, written to m_out[idx] / e_out[idx] (M indexed [key_out][key_in]).
+// grid.z = 256 / (16 NW), written to m_out[idx] / e_out[idx] (M indexed [key_out][key_in]).
 template <bool SUMMARY, int NW>
 __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
   using Sh = WalkShape<NW>;
@@ -436,26 +435,25 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
 template <int NW>
 __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF) {
   using Sh = WalkShape<NW>;
-  constexpr int WNT = Sh::NT, WCOLS = Sh::COLS, RW_W = Sh::RW_W, RW_KG = Sh::RW_KG, RW_QG = Sh::RW_QG,
-                RW_AQH = Sh::RW_AQH, RW_AQL = Sh::RW_AQL, RW_DO = Sh::RW_DO, RW_GAM = Sh::RW_GAM;
+  constexpr int NT = Sh::NT;
   const int tid = thread_index();
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
-  load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
-  load_f32<WNT, 1, D>(reinterpret_cast<float*>(st + RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
+  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
+  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
+  load_f32<NT, 1, D>(reinterpret_cast<float*>(st + Sh::RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
   if (withF) {
-    load_bf16<128, WNT>(reinterpret_cast<bf16*>(st + RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, tid);
-    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, tid);
-    load_bf16<64, WNT>(reinterpret_cast<bf16*>(st + RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, tid);
+    load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, tid);
+    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, tid);
+    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, tid);
     const int64_t tok = a.chunks[2 * c];
     const int nrows = a.chunks[2 * c + 1];
-    load_bf16<WCOLS, WNT>(reinterpret_cast<bf16*>(st + RW_DO),
-                          static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D,
-                          nrows, tid);
+    load_bf16<Sh::COLS, NT>(reinterpret_cast<bf16*>(st + Sh::RW_DO),
+                            static_cast<const bf16*>(a.dout) + (tok * a.H + h) * D + col0, static_cast<int64_t>(a.H) * D,
+                            nrows, tid);
   }
 }
 
-// SUMMARY: virtual columns [M^T (0..127) | F (128..255)], grid.z = 4; else 128 value columns, grid.z = 2.
+// SUMMARY: virtual columns [M^T (0..127) | F (128..255)]; else 128 value columns; grid.z = columns / (16 NW).
 template <bool SUMMARY, int NW>
 __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
   using Sh = WalkShape<NW>;

@@ -167,6 +167,14 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 132
 
 
+# SMs a (row, head) of a launch takes at 4 warps per CTA (``walk_warps``' demand): a reverse walk is 2 CTAs of
+# 148 KB (one per SM), a forward walk 2 CTAs of 101 KB (two share an SM); the two chains run at once. A summary
+# has twice the columns. The KCP exchange's reverse summaries run alone.
+WALK_SMS = 3
+SUMMARY_SMS = 2 * WALK_SMS
+REV_SUMMARY_SMS = 4
+
+
 def walk_warps(demand4: int, sms: int) -> int:
     """Warps per walk or summary CTA of a launch (csrc/kda_bwd.cu WalkShape): 4 (64 state columns per CTA) when
     ``demand4``, the SMs the launch (with whatever runs beside it) takes at 4 warps, fits on the GPU, else 8 (128
@@ -232,10 +240,8 @@ class SegTables:
         self.fchains, self.rchains = t(fch), t(rch)
         self.num_fold_f, self.num_fold_r = nf, nr
         self.num_sum_f, self.num_sum_r = len(fsum), len(rsum)
-        # both chains at once: at 4 warps a (row, head) of the reverse walk takes 2 SMs (one 148 KB CTA each), of the
-        # forward walk 1 (two 101 KB CTAs share one); a summary has twice the columns
-        self.walk_warps = walk_warps(3 * len(fwalk) * heads, sms)
-        self.summary_warps = walk_warps(6 * len(fsum) * heads, sms)
+        self.walk_warps = walk_warps(WALK_SMS * len(fwalk) * heads, sms)
+        self.summary_warps = walk_warps(SUMMARY_SMS * len(fsum) * heads, sms)
 
 
 def _seg_tables(plan, heads: int, device) -> SegTables:
@@ -545,8 +551,8 @@ class PreparedBackward:
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
             self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale)
-        # alone on the GPU: 4 SMs per (run, head) at 4 warps
-        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F, walk_warps(4 * len(run_ids) * H, _sm_count(self.dev)))
+        warps = walk_warps(REV_SUMMARY_SMS * len(run_ids) * H, _sm_count(self.dev))
+        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F, warps)
         return Mt, F
 
     def grads(self, state_in=None, dstate_out=None):
@@ -665,7 +671,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
             mod.merge_fold(mt, f, st.rchains, dso, rfold)
     dq, dk, dv, dg, dbeta = grads
-    for p in lean:
+    for p in lean:  # (each pass walks a subset of the rows at the whole table's widths: not measured per pass)
         prep, h, dh = views(p)
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
         _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh, st.walk_warps),
