@@ -14,6 +14,7 @@ uses the exchange part only. ``local_arena_bytes`` mirrors the carves below, whi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -88,12 +89,27 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
     return backend, scale
 
 
+# knobs that change the CUDA backend's tables, hence its carves (each A/B tool's cache key names them too)
+_TABLE_ENV = ("KDA_KCP_SEG_CHUNKS", "KDA_KCP_FWD_WARPS", "KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_WALK_WARPS")
+
+
+def _workspace_need(ctx, H, backend, device, K, V, dt, passes) -> int:
+    """``workspace_bytes`` of one call, cached in the context's local plan: summing the carves walks every table
+    of the call (~100 us of host time before the first kernel could start), and it is a pure function of the key."""
+    key = ("workspace_bytes", H, backend.name, str(device), K, V, dt, passes,
+           tuple(os.environ.get(n, "") for n in _TABLE_ENV))
+    cache = ctx.local._tables
+    if key not in cache:
+        cache[key] = workspace_bytes(ctx, H, backend, device, K, V, dt, passes)
+    return cache[key]
+
+
 def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     """(exchange buffer or None, Arena or None) of one call; the workspace's size and device are checked
     here, before any kernel runs."""
     if workspace is None:
         return None, (Arena(None, device) if backend.name == "cuda" else None)
-    need = workspace_bytes(ctx, H, backend, device, K, V, dt, workspace.lean_passes)
+    need = _workspace_need(ctx, H, backend, device, K, V, dt, workspace.lean_passes)
     if workspace.nbytes < need:
         raise ValueError(
             f"workspace too small: this call needs {need} bytes, the workspace has {workspace.nbytes}; size "

@@ -131,3 +131,23 @@ def _two_ranks(rank, world):
 
 def test_cuda_arena_is_exact_at_two_ranks():
     run_distributed(_two_ranks, 2)
+
+
+def test_call_need_is_cached_per_knob(monkeypatch):
+    """A call checks its workspace against the need cached in the context (function._workspace_need): equal to
+    workspace_bytes, and a knob that changes the tables (the backward's segment length) changes the key, so the
+    check follows it instead of a stale size."""
+    backend = _fake_cuda(monkeypatch)
+    ctx = kda_kcp.build_context_kcp(offsets([1000, 1, 0, 333]))
+    needs = {}
+    for seg in ("2", "0"):
+        monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
+        fresh = kda_kcp.workspace.workspace_bytes(ctx, 4, backend, "cpu")
+        needs[seg] = function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
+        assert needs[seg] == fresh == function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
+    assert needs["2"] != needs["0"]
+    q, k, v, g, beta, _ = _inputs(ctx.local_tokens, 4)
+    small = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(min(needs.values()), dtype=torch.uint8))
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2" if needs["2"] > needs["0"] else "0")
+    with pytest.raises(ValueError, match="workspace too small"):
+        function.forward_kcp(q, k, v, g, beta, ctx, None, True, small)
