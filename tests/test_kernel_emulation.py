@@ -374,16 +374,20 @@ def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
         assert torch.equal(x, r), f"{name}: the lean backward differs from the replay one"
 
 
-def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch):
-    """Whole-run walks (no segments) of runs of 2, 4 and 1 chunks: the run of 4 is the late group, runs 0 and
-    2 the early one (two chunk ranges, so the gradient kernel runs on views of the chunk rows, records, h and
-    dh); the pipelined backward gives the unpipelined one's gradients bit for bit, from given states."""
+@pytest.mark.parametrize("max_groups", ["2", "4"])
+def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_groups):
+    """Whole-run walks (no segments) of runs of 2, 4 and 1 chunks. In at most 2 groups the run of 4 is the late
+    group, runs 0 and 2 the early one (two chunk ranges, so the gradient kernel runs on views of the chunk rows,
+    records, h and dh); in up to 4 each run is a group of its own. The pipelined backward gives the unpipelined
+    one's gradients bit for bit, from given states."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
     monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
+    monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", max_groups)
     cu = [0, 70, 300, 330]
     plan, inputs, do, sin, dso = _case(cu, 1, 11)
-    early, late = cb._walk_groups(plan, 1, "cpu")
-    assert (early.ranges, late.ranges) == ([(0, 2), (6, 7)], [(2, 6)])
+    groups = cb._walk_groups(plan, 1, "cpu")
+    want = [[(0, 2), (6, 7)], [(2, 6)]] if max_groups == "2" else [[(6, 7)], [(0, 2)], [(2, 6)]]
+    assert [grp.ranges for grp in groups] == want
     got = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", flag)

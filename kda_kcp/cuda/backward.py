@@ -439,7 +439,18 @@ def _pipeline() -> bool:
     return v == "1"
 
 
-LATE_FRACTION = 0.75  # a run whose walk is at least this fraction of the longest one is in the late group
+LATE_FRACTION = 0.75  # a run joins a group if its walk is at least this fraction of the group's longest one
+MAX_WALK_GROUPS = 4  # (two streams each)
+
+
+def _max_walk_groups() -> int:
+    """Walk groups at most (``KDA_KCP_BWD_WALK_GROUPS``, 2..4; default 4; 2 was the rule until session 16)."""
+    v = os.environ.get("KDA_KCP_BWD_WALK_GROUPS", "").strip()
+    if not v:
+        return MAX_WALK_GROUPS
+    if v not in ("2", "3", "4"):
+        raise ValueError(f"KDA_KCP_BWD_WALK_GROUPS must be 2, 3 or 4, got {v!r}")
+    return int(v)
 
 
 class WalkGroup:
@@ -452,14 +463,28 @@ class WalkGroup:
         self.ranges = ranges
 
 
+def group_runs(lengths: dict, max_groups: int) -> list:
+    """Run ids grouped by walk length, the shortest group first: runs taken longest first, a run joins the
+    current group if its length is at least LATE_FRACTION of the group's longest, else opens the next group
+    (the last group open takes the rest once ``max_groups`` are open)."""
+    order = sorted(lengths, key=lambda r: (-lengths[r], r))
+    groups = []
+    for r in order:
+        if not groups or (lengths[r] < LATE_FRACTION * lengths[groups[-1][0]] and len(groups) < max_groups):
+            groups.append([r])
+        else:
+            groups[-1].append(r)
+    return groups[::-1]
+
+
 def _walk_groups(plan, heads: int, device):
-    """(early, late) WalkGroups of the whole-run backward walks, or None (segmented walks, or all runs
-    alike). The walks of a run are serial in its chunks, so the shorter runs' walks end well before the
-    longest one's and their SMs would idle: the early group's gradient kernel starts as soon as its walks
-    end, beside the late group's walks (which are bound by DRAM bandwidth, the gradient kernel by latency).
-    Every kernel sees the same rows and chunks as unpipelined, so the results are bitwise equal. A pure
-    function of the plan (cached)."""
-    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""))
+    """WalkGroups of the whole-run backward walks, the shortest runs' first and the longest's last, or None
+    (segmented walks, or all runs alike). The walks of a run are serial in its chunks, so the shorter runs'
+    walks end well before the longest one's and their SMs would idle: each group's gradient kernel starts as
+    soon as its own walks end, beside the longer groups' walks. Every kernel sees the same rows and chunks as
+    unpipelined, so the results are bitwise equal. A pure function of the plan (cached)."""
+    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""),
+           _max_walk_groups())
     cache = plan._tables
     if key in cache:
         return cache[key]
@@ -467,12 +492,11 @@ def _walk_groups(plan, heads: int, device):
     out = None
     fw, rw = st.host["fwalk"], st.host["rwalk"]
     if not (st.num_sum_f or st.num_sum_r) and fw:
-        longest = max(r[1] for r in fw)
-        late_runs = {r[2] for r in fw if r[1] >= LATE_FRACTION * longest}
-        if len(late_runs) < len({r[2] for r in fw}):
+        runs = group_runs({r[2]: r[1] for r in fw}, _max_walk_groups())
+        if len(runs) > 1:
             groups = []
-            for late in (False, True):
-                mine = lambda rows: [r for r in rows if (r[2] in late_runs) == late]  # noqa: E731
+            for ids in map(set, runs):
+                mine = lambda rows: [r for r in rows if r[2] in ids]  # noqa: E731
                 ranges = coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(mine(fw))])
                 groups.append(WalkGroup(mine(fw), mine(rw), ranges, device))
             out = tuple(groups)
@@ -484,36 +508,39 @@ _GROUP_STREAMS: dict = {}
 
 
 def _pipelined_walks_and_grads(groups, launch_walks, launch_grads, device) -> None:
-    """The late group's walks, then the early group's walks and gradients, each chain on a side stream of its
-    own (the reverse and forward walk of a group on two), then the late group's gradients on the current
-    stream, joined at the end. On the CPU (the emulated kernels) the same launches run in order."""
-    early, late = groups
+    """Every group's walks, the longest group's first, each group's reverse and forward walk on two side streams
+    of its own; each shorter group's gradients on its reverse walk's stream once both its walks end; the longest
+    group's gradients on the current stream; joined at the end. On the CPU (the emulated kernels) the same
+    launches run in order."""
     if torch.device(device).type != "cuda" or not _walk_streams():
-        for grp in (late, early):
+        for grp in groups[::-1]:
             launch_walks(grp, "rev")
             launch_walks(grp, "fwd")
-        launch_grads(early)
-        launch_grads(late)
+        for grp in groups:
+            launch_grads(grp)
         return
     main = torch.cuda.current_stream(device)
-    side = _GROUP_STREAMS.get(main.device)
-    if side is None:
-        side = _GROUP_STREAMS[main.device] = [torch.cuda.Stream(device=main.device) for _ in range(4)]
-    for s in side:
+    pool = _GROUP_STREAMS.setdefault(main.device, [])
+    while len(pool) < 2 * len(groups):
+        pool.append(torch.cuda.Stream(device=main.device))
+    pairs = [(pool[2 * i], pool[2 * i + 1]) for i in range(len(groups))]
+    for s in pool[: 2 * len(groups)]:
         s.wait_stream(main)  # the records and buffers carved so far
-    late_rev, late_fwd, early_rev, early_fwd = side
-    for grp, rev_s, fwd_s in ((late, late_rev, late_fwd), (early, early_rev, early_fwd)):
+    for grp, (rev_s, fwd_s) in list(zip(groups, pairs))[::-1]:  # the longest walks first
         with torch.cuda.stream(rev_s):
             launch_walks(grp, "rev")
         with torch.cuda.stream(fwd_s):
             launch_walks(grp, "fwd")
-    early_rev.wait_stream(early_fwd)
-    with torch.cuda.stream(early_rev):
-        launch_grads(early)
-    main.wait_stream(late_rev)
-    main.wait_stream(late_fwd)
-    launch_grads(late)
-    main.wait_stream(early_rev)  # buffers used on the side streams are freed (or reused) on main only after this
+    for grp, (rev_s, fwd_s) in zip(groups[:-1], pairs[:-1]):
+        rev_s.wait_stream(fwd_s)
+        with torch.cuda.stream(rev_s):
+            launch_grads(grp)
+    rev_s, fwd_s = pairs[-1]
+    main.wait_stream(rev_s)
+    main.wait_stream(fwd_s)
+    launch_grads(groups[-1])
+    for rev_s, _ in pairs[:-1]:
+        main.wait_stream(rev_s)  # buffers used on the side streams are freed (or reused) on main only after this
 
 
 class PreparedBackward:

@@ -250,6 +250,31 @@ def test_walk_widths_bitwise(seg, monkeypatch):
     print(f"walk widths 4, 8, auto (segments {seg}): bitwise equal")
 
 
+def test_walk_groups_bitwise(monkeypatch):
+    """The pipelined backward with its runs in 2, 3 and 4 walk groups (KDA_KCP_BWD_WALK_GROUPS; each group's
+    gradients on its own stream once its walks end) against the unpipelined one (KDA_KCP_BWD_PIPELINE=0): every
+    gradient bitwise equal, whole-run walks of five documents of unlike lengths, with incoming states and
+    outgoing gradients."""
+    gen = torch.Generator().manual_seed(SEED + 29)
+    cu = [0, 250, 850, 1950, 4250, 8750]  # 4, 10, 18, 36 and 71 chunks
+    inputs, do = make_inputs(cu[-1], 4, gen)
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
+    plan = local_plan(cu)
+    sin = 0.1 * torch.randn(5, 4, 128, 128, generator=gen).to(DEV)
+    dso = 0.1 * torch.randn(5, 4, 128, 128, generator=gen).to(DEV)
+    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
+    plain = run_bwd(inputs, do, plan, sin, dso)
+    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "1")
+    for cap in ("2", "3", "4"):
+        monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", cap)
+        assert len(cb._walk_groups(plan, 4, DEV)) == int(cap)
+        got = run_bwd(inputs, do, plan, sin, dso)
+        for name, a, b in zip(NAMES, got, plain):
+            assert torch.isfinite(a.float()).all(), (cap, name)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: {cap} walk groups != unpipelined"
+    print("walk groups 2, 3, 4: bitwise equal to the unpipelined backward")
+
+
 def test_summaries_match_torch_backend():
     gen = torch.Generator().manual_seed(SEED + 17)
     cu = [0, 900, 1000, 3000]

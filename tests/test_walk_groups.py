@@ -1,0 +1,44 @@
+"""The pipelined backward's walk groups (kda_kcp.cuda.backward.group_runs and _walk_groups): runs grouped by walk
+length so that each group's gradient kernel starts when its own walks end; the cap and its validation. Pure
+functions of the plan (CPU); the emulation tests check that every grouping gives the unpipelined gradients."""
+
+import pytest
+
+from kda_kcp.cuda import backward as cb
+from kda_kcp.plan import LocalPlan, build_plan
+
+BENCH_DOCS = (42024, 57573, 73122, 88673)  # benchmarks/bench_kda_kcp.py's batch: 657, 900, 1143, 1386 chunks
+
+
+def local_plan(cu):
+    T = cu[-1]
+    return LocalPlan(T, build_plan(cu, [[(0, T)]]).rank_runs[0])
+
+
+def test_group_runs_rule():
+    lengths = {0: 657, 1: 900, 2: 1143, 3: 1386}
+    assert cb.group_runs(lengths, 4) == [[0], [1], [3, 2]]  # 1143 >= 0.75 * 1386; 900 and 657 are not
+    assert cb.group_runs(lengths, 3) == [[0], [1], [3, 2]]
+    assert cb.group_runs(lengths, 2) == [[1, 0], [3, 2]]  # the rule before session 16
+    assert cb.group_runs({5: 10, 6: 10, 7: 9}, 4) == [[5, 6, 7]]  # alike: one group (no pipeline)
+    assert cb.group_runs({0: 100, 1: 50, 2: 25, 3: 12, 4: 6}, 4) == [[3, 4], [2], [1], [0]]  # the cap
+
+
+def test_walk_groups_of_the_benchmark_batch(monkeypatch):
+    monkeypatch.delenv("KDA_KCP_BWD_SEG_CHUNKS", raising=False)
+    cu = [0]
+    for n in BENCH_DOCS:
+        cu.append(cu[-1] + n)
+    plan = local_plan(cu)
+    for cap, want in (("", [[(0, 657)], [(657, 1557)], [(1557, 4086)]]),
+                      ("2", [[(0, 1557)], [(1557, 4086)]])):
+        monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", cap)
+        groups = cb._walk_groups(plan, 16, "cpu")
+        assert [grp.ranges for grp in groups] == want
+        assert sum(grp.fwalk.shape[0] for grp in groups) == cb._seg_tables(plan, 16, "cpu").fwalk.shape[0]
+
+
+def test_walk_groups_cap_is_checked(monkeypatch):
+    monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", "5")
+    with pytest.raises(ValueError, match="KDA_KCP_BWD_WALK_GROUPS"):
+        cb._max_walk_groups()
