@@ -3,9 +3,12 @@
 //   fold:    X = init (a row of `init`, or zero); for j < count: X = M[first + j] X + E[first + j], each X
 //            written to out0[out + j]. The backward folds (M^T, F) listed from the run's end, the same way.
 //   compose: the whole chain's map: out0[out] = M_last ... M_first, out1[out] its offset (from [I | 0]).
-// One CTA per (chain, head, 16 state columns); X (128 x 16) lives in shared memory, and so does M: step j + 1's
-// M streams in (cp.async, two buffers) while step j computes. Deterministic: every output is
-// E + sum over k ascending of M[d][k] X[k][c], in FP32.
+// One CTA per (chain, head, 16 state columns); warp w owns rows 16 w .. 16 w + 15 of X as mma accumulators.
+// The product M X runs on tensor cores as 3xTF32 (M and X each split into hi + lo TF32 parts; lo * lo dropped):
+// ~21 bits per product, which DESIGN.md asks of the merge (plain TF32's 11 drift over long chains). X is staged
+// in shared memory as its split; M streams in (cp.async, two buffers) while the step before computes. The
+// FP32-FMA version it replaces was bound by its shared-memory reads of X (H200, H = 4 forward fold: 170 -> 99 us).
+// Deterministic: a fixed sequence of mma per output, then fixed-order sums and + E, in FP32.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,7 +34,9 @@ namespace merge_detail {
 constexpr int D = 128;
 constexpr int kCols = 16;             // state columns per CTA: 8 CTAs per (chain, head) for a fold
 constexpr int kTiles = D / kCols;
-constexpr int kMRow = D + 4;          // fp32 row stride of a staged M: the 16 rows a warp reads hit 8 bank groups twice
+constexpr int kN8 = kCols / 8;        // m16n8 accumulator tiles per warp
+constexpr int kMRow = D + 4;          // fp32 row stride of a staged M: an A fragment's 32 lanes hit 32 banks
+constexpr int kXRow = kCols + 8;      // word row stride of the split X: a B fragment's 32 lanes hit 32 banks
 constexpr int kSmem = 2 * D * kMRow * 4;  // two M buffers (dynamic shared memory)
 
 // M of one step -> a buffer, 16-byte pieces (the whole CTA; one cp.async group)
@@ -44,24 +49,14 @@ __device__ __forceinline__ void stage_m(float* buf, const float* m, int t) {
   cp_async_commit();
 }
 
-// Thread t owns row d = t / 2 and the 8 columns cb = 8 (t % 2) of the tile: per 4 keys one 16-byte shared read
-// of its M row, two 16-byte reads of each X row (every lane of a warp reads one of the same two addresses:
-// broadcasts), 32 FMA.
-__device__ __forceinline__ void row_fma(float (&acc)[8], float m, const float* x) {
-  const float4 x0 = *reinterpret_cast<const float4*>(x), x1 = *reinterpret_cast<const float4*>(x + 4);
-  acc[0] = fmaf(m, x0.x, acc[0]);
-  acc[1] = fmaf(m, x0.y, acc[1]);
-  acc[2] = fmaf(m, x0.z, acc[2]);
-  acc[3] = fmaf(m, x0.w, acc[3]);
-  acc[4] = fmaf(m, x1.x, acc[4]);
-  acc[5] = fmaf(m, x1.y, acc[5]);
-  acc[6] = fmaf(m, x1.z, acc[6]);
-  acc[7] = fmaf(m, x1.w, acc[7]);
-}
+// A lane's accumulator element (n, e) is X[r0 + 8 (e >> 1)][8 n + 2 q + (e & 1)] of the CTA's columns.
+__device__ __forceinline__ int frag_row(int r0, int e) { return r0 + 8 * (e >> 1); }
+__device__ __forceinline__ int frag_col(int q, int n, int e) { return 8 * n + 2 * q + (e & 1); }
 
 template <bool COMPOSE>
 __global__ void __launch_bounds__(256) merge_kernel(const MergeArgs a) {
-  __align__(16) __shared__ float X[D][kCols];
+  __align__(16) __shared__ uint32_t Xh[D][kXRow];  // X as TF32 hi, then lo parts
+  __align__(16) __shared__ uint32_t Xl[D][kXRow];
   extern __shared__ __align__(128) char smem[];
   float* sM = reinterpret_cast<float*>(smem);
   const int c = blockIdx.x, h = blockIdx.y, tile = blockIdx.z;
@@ -69,55 +64,106 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeArgs a) {
   const int init = a.chains[c * 4 + 2], outi = a.chains[c * 4 + 3];
   const bool mpart = COMPOSE && tile < kTiles;  // compose: the first kTiles tiles carry M's columns, the rest E's
   const int col0 = (tile % kTiles) * kCols;
-  const int t = threadIdx.x, d = t >> 1, cb = (t & 1) * 8;
+  const int t = threadIdx.x, lane = t & 31, g = lane >> 2, q = lane & 3;
+  const int r0 = 16 * (t >> 5) + g;
   const int H = a.H;
   auto step_base = [&](int j) { return (static_cast<int64_t>(first + j) * H + h) * D * D; };
+  // E of a step at this lane's accumulator elements (zero for compose's M columns)
+  auto load_e = [&](int j, float (&v)[kN8][4]) {
+#pragma unroll
+    for (int n = 0; n < kN8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        float2 p = make_float2(0.f, 0.f);
+        if (!mpart) p = *reinterpret_cast<const float2*>(a.e + step_base(j) + frag_row(r0, e) * D + col0 + frag_col(q, n, e));
+        v[n][e] = p.x;
+        v[n][e + 1] = p.y;
+      }
+  };
+  auto put_x = [&](const float (&x)[kN8][4]) {
+#pragma unroll
+    for (int n = 0; n < kN8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = frag_row(r0, e), cc = frag_col(q, n, e);
+        split_tf32(x[n][e], Xh[r][cc], Xl[r][cc]);
+      }
+  };
   if (cnt > 0) stage_m(sM, a.m + step_base(0), t);
+  float x[kN8][4];  // X at this lane's elements: the chain's state after the last step
 #pragma unroll
-  for (int cc = 0; cc < 8; ++cc) {
-    const int col = col0 + cb + cc;
-    float x = 0.f;
-    if (COMPOSE) x = (mpart && d == col) ? 1.f : 0.f;
-    else if (init >= 0 && a.init != nullptr)
-      x = a.init[((static_cast<int64_t>(init) * H + h) * D + d) * D + col];
-    X[d][cb + cc] = x;
-  }
+  for (int n = 0; n < kN8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = frag_row(r0, e), col = col0 + frag_col(q, n, e);
+      float v = 0.f;
+      if (COMPOSE) v = (mpart && r == col) ? 1.f : 0.f;
+      else if (init >= 0 && a.init != nullptr) v = a.init[((static_cast<int64_t>(init) * H + h) * D + r) * D + col];
+      x[n][e] = v;
+    }
+  put_x(x);
+  float e_next[kN8][4];
+  if (cnt > 0) load_e(0, e_next);
   for (int j = 0; j < cnt; ++j) {
-    const int64_t base = step_base(j);
-    float acc[8];
+    float e_cur[kN8][4];
 #pragma unroll
-    for (int cc = 0; cc < 8; ++cc) acc[cc] = mpart ? 0.f : a.e[base + d * D + col0 + cb + cc];
+    for (int n = 0; n < kN8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) e_cur[n][e] = e_next[n][e];
     // the buffer of step j + 1 was last read in step j - 1 (barriers since)
     if (j + 1 < cnt) {
       stage_m(sM + ((j + 1) & 1) * D * kMRow, a.m + step_base(j + 1), t);
+      load_e(j + 1, e_next);
       cp_async_wait1();
     } else {
       cp_async_wait_all();
     }
-    __syncthreads();  // step j's M and the X of step j - 1 are in place
-    const float4* mrow = reinterpret_cast<const float4*>(sM + (j & 1) * D * kMRow + d * kMRow);
-#pragma unroll 8
-    for (int k4 = 0; k4 < D / 4; ++k4) {
-      const float4 mv = mrow[k4];
-      row_fma(acc, mv.x, &X[4 * k4 + 0][cb]);
-      row_fma(acc, mv.y, &X[4 * k4 + 1][cb]);
-      row_fma(acc, mv.z, &X[4 * k4 + 2][cb]);
-      row_fma(acc, mv.w, &X[4 * k4 + 3][cb]);
+    __syncthreads();  // step j's M and the split X of step j - 1 are in place
+    const float* mrow = sM + (j & 1) * D * kMRow + r0 * kMRow + q;
+    // four accumulators per tile: even / odd k8 steps, hi * hi apart from the small products. Tensor cores add
+    // into an FP32 accumulator with truncation; summing the small products apart keeps their bits (one accumulator
+    // for all three: 3.2e-5 against FP64 over a 40-step chain on the H200; apart: 6.2e-6; FP32 FMA: 1.3e-6).
+    float acc[4][kN8][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) zero_frags(acc[i]);
+#pragma unroll 4
+    for (int s = 0; s < D / 8; ++s) {
+      uint32_t ah[4], al[4];
+      split_tf32(mrow[8 * s], ah[0], al[0]);
+      split_tf32(mrow[8 * kMRow + 8 * s], ah[1], al[1]);
+      split_tf32(mrow[8 * s + 4], ah[2], al[2]);
+      split_tf32(mrow[8 * kMRow + 8 * s + 4], ah[3], al[3]);
+#pragma unroll
+      for (int n = 0; n < kN8; ++n) {
+        const uint32_t bh0 = Xh[8 * s + q][8 * n + g], bh1 = Xh[8 * s + q + 4][8 * n + g];
+        const uint32_t bl0 = Xl[8 * s + q][8 * n + g], bl1 = Xl[8 * s + q + 4][8 * n + g];
+        mma_tf32(acc[2 + (s & 1)][n], al, bh0, bh1);
+        mma_tf32(acc[2 + (s & 1)][n], ah, bl0, bl1);
+        mma_tf32(acc[s & 1][n], ah, bh0, bh1);
+      }
     }
-    __syncthreads();
 #pragma unroll
-    for (int cc = 0; cc < 8; ++cc) X[d][cb + cc] = acc[cc];
+    for (int n = 0; n < kN8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[n][e] = ((acc[2][n][e] + acc[3][n][e]) + (acc[0][n][e] + acc[1][n][e])) + e_cur[n][e];
+    __syncthreads();  // every warp has read the split X of step j - 1
+    put_x(x);
     if (!COMPOSE) {
-      float* dst = a.out0 + (static_cast<int64_t>(outi + j) * H + h) * D * D + d * D + col0 + cb;
+      float* dst = a.out0 + (static_cast<int64_t>(outi + j) * H + h) * D * D + col0;
 #pragma unroll
-      for (int cc = 0; cc < 8; ++cc) dst[cc] = acc[cc];
+      for (int n = 0; n < kN8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2)
+          *reinterpret_cast<float2*>(dst + frag_row(r0, e) * D + frag_col(q, n, e)) = make_float2(x[n][e], x[n][e + 1]);
     }
   }
-  __syncthreads();
   if (COMPOSE) {
-    float* dst = (mpart ? a.out0 : a.out1) + (static_cast<int64_t>(outi) * H + h) * D * D + d * D + col0 + cb;
+    float* dst = (mpart ? a.out0 : a.out1) + (static_cast<int64_t>(outi) * H + h) * D * D + col0;
 #pragma unroll
-    for (int cc = 0; cc < 8; ++cc) dst[cc] = X[d][cb + cc];
+    for (int n = 0; n < kN8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2)
+        *reinterpret_cast<float2*>(dst + frag_row(r0, e) * D + frag_col(q, n, e)) = make_float2(x[n][e], x[n][e + 1]);
   }
 }
 

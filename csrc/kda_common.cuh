@@ -52,6 +52,27 @@ __device__ __forceinline__ void mma_n16(float (&d0)[4], float (&d1)[4], const ui
   mma(d1, a, b[2], b[3]);
 }
 
+// FP32 as TF32 (cvt.rna: round to nearest, ties away from zero; the low 13 bits zero), and x split into
+// hi + lo TF32 parts: hi * b + lo * b carries ~21 bits of x where one TF32 product carries 11 (3xTF32).
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - __uint_as_float(hi));
+}
+
+// D += A * B, A 16x8 tf32 (row), B 8x8 tf32 (col), D 16x8 fp32.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // N m16n8 accumulator tiles = 0
 template <int N>
 __device__ __forceinline__ void zero_frags(float (&t)[N][4]) {

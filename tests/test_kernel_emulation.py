@@ -256,6 +256,46 @@ def test_gradient_kernel(emu):
             assert _rel(a, b) <= 1e-5, name
 
 
+def _random_maps(n, H, gen, decay=0.97):
+    """n random affine maps (M [n, H, 128, 128], E [n, H, 128, 128]) fp32 with the shape of chunk summaries:
+    Diag(gamma) minus a low-rank-ish part, norm ~1, so a chain neither blows up nor dies out."""
+    D = 128
+    M = decay * torch.eye(D).expand(n, H, D, D) + 0.02 * torch.randn(n, H, D, D, generator=gen)
+    E = torch.randn(n, H, D, D, generator=gen)
+    return M.float().contiguous(), E.float().contiguous()
+
+
+def test_affine_merge_against_fp64(emu):
+    """The merge kernel (3xTF32 products) against the same fold and composition in FP64: chains of 0, 1, 3 and 12
+    steps, with and without an initial state. 3xTF32 keeps ~21 bits per product (one plain TF32 product keeps 11,
+    ~5e-4 relative). The emulated mma sums its products in FP64 and rounds once, more precisely than tensor cores
+    (which truncate as they add): this bound checks the algorithm; tests/gpu/test_fwd_cuda.py has the hardware's."""
+    gen = torch.Generator().manual_seed(5)
+    H = 2
+    M, E = _random_maps(16, H, gen)
+    init = torch.randn(3, H, 128, 128, generator=gen)
+    chains = torch.tensor([[0, 12, 0, 0], [12, 3, -1, 12], [15, 1, 2, 15], [15, 0, 1, 16]], dtype=torch.int32)
+    out = torch.full((16, H, 128, 128), float("nan"))
+    assert emu.e_merge(_p(M), _p(E), _p(chains), 4, H, _p(init), _p(out), None, 0) == 0
+    comp_m = torch.full((4, H, 128, 128), float("nan"))
+    comp_e = torch.full((4, H, 128, 128), float("nan"))
+    cchains = chains.clone()
+    cchains[:, 3] = torch.arange(4)
+    assert emu.e_merge(_p(M), _p(E), _p(cchains), 4, H, None, _p(comp_m), _p(comp_e), 1) == 0
+    M64, E64 = M.double(), E.double()
+    worst = 0.0
+    for c, (first, count, ini, o) in enumerate(chains.tolist()):
+        X = init[ini].double() if ini >= 0 else torch.zeros(H, 128, 128, dtype=torch.float64)
+        P, F = torch.eye(128, dtype=torch.float64).expand(H, 128, 128), torch.zeros(H, 128, 128, dtype=torch.float64)
+        for j in range(count):
+            X = M64[first + j] @ X + E64[first + j]
+            P, F = M64[first + j] @ P, M64[first + j] @ F + E64[first + j]
+            worst = max(worst, _rel(out[o + j], X))
+        worst = max(worst, _rel(comp_m[c], P), _rel(comp_e[c], F))
+    print(f"affine merge (3xTF32) vs FP64: {worst:.2e}")
+    assert worst <= 2e-6
+
+
 class _Programs:
     """Stands for the loaded kda_fwd and kda_bwd programs: each entry point maps its tensors onto the
     emulated launchers the way csrc/*_binding.cu maps them onto kda::*Args (checks aside)."""

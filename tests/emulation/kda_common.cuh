@@ -76,6 +76,44 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
     d[e] = float(s);
   }
 }
+// cvt.rna.tf32.f32 on finite values: the magnitude rounded to 10 mantissa bits, ties away from zero
+inline uint32_t to_tf32(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u + 0x1000u) & 0xffffe000u;
+}
+inline float tf32_value(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+inline void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - tf32_value(hi));
+}
+// mma.m16n8k8 tf32 (the m16n8k8 fragment layouts; products summed in FP64 onto the FP32 accumulator)
+inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  WarpCtx* w = t_warp;
+  const int l = t_lane;
+  for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
+  w->u[l][4] = b0;
+  w->u[l][5] = b1;
+  w->bar.arrive_and_wait();
+  float A[16][8], B[8][8];
+  for (int L = 0; L < 32; ++L) {
+    const int g = L >> 2, t = L & 3;
+    A[g][t] = tf32_value(w->u[L][0]);
+    A[g + 8][t] = tf32_value(w->u[L][1]);
+    A[g][t + 4] = tf32_value(w->u[L][2]);
+    A[g + 8][t + 4] = tf32_value(w->u[L][3]);
+    B[t][g] = tf32_value(w->u[L][4]);
+    B[t + 4][g] = tf32_value(w->u[L][5]);
+  }
+  w->bar.arrive_and_wait();
+  const int g = l >> 2, t = l & 3;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    double s = d[e];
+    for (int k = 0; k < 8; ++k) s += double(A[row][k]) * double(B[k][col]);
+    d[e] = float(s);
+  }
+}
 inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo).x, __float2bfloat16_rn(hi).x); }
 inline float2 bf2_to_f2(uint32_t w) { return make_float2(bf(w, 0), bf(w, 1)); }
 inline void split2(float x, float y, uint32_t& hi, uint32_t& lo) {

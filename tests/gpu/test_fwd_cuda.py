@@ -258,3 +258,44 @@ def test_jit_second_process_does_not_rebuild(tmp_path):
     p2, m2, t2 = r2.stdout.split()[-3:]
     print(f"jit: first process {t1} s, second {t2} s")
     assert p1 == p2 and m1 == m2
+
+
+def test_affine_merge_against_fp64():
+    """The merge kernel (csrc/kda_affine_merge.cuh, 3xTF32 products on tensor cores) against the same fold and
+    composition in FP64: chains of 0, 1, 3 and 40 steps of summary-shaped maps (norm ~1), with and without an
+    initial state, at H = 3. Measured on the H200 (session 16): 6.2e-6 (the FP32-FMA kernel it replaced: 1.3e-6; the
+    three products in one accumulator: 3.2e-5, since tensor cores add with truncation; one plain TF32 product keeps
+    11 bits, ~5e-4). The bound sits between this kernel and the one-accumulator form."""
+    from kda_kcp.cuda.forward import load
+
+    gen = torch.Generator().manual_seed(SEED + 400)
+    H, n, D = 3, 44, 128
+    M = (0.97 * torch.eye(D).expand(n, H, D, D) + 0.02 * torch.randn(n, H, D, D, generator=gen)).contiguous()
+    E = torch.randn(n, H, D, D, generator=gen)
+    init = torch.randn(3, H, D, D, generator=gen)
+    chains = [[0, 40, 0, 0], [40, 3, -1, 40], [43, 1, 2, 43], [43, 0, 1, 44]]
+    mod = load(DEV)
+    M_d, E_d, init_d = (x.float().to(DEV) for x in (M, E, init))
+    out = torch.full((n, H, D, D), float("nan"), device=DEV)
+    mod.merge_fold(M_d, E_d, torch.tensor(chains, dtype=torch.int32, device=DEV), init_d, out)
+    cc = [[f, c, -1, i] for i, (f, c, _, _) in enumerate(chains)]
+    pm = torch.full((4, H, D, D), float("nan"), device=DEV)
+    pe = torch.full((4, H, D, D), float("nan"), device=DEV)
+    mod.merge_compose(M_d, E_d, torch.tensor(cc, dtype=torch.int32, device=DEV), pm, pe)
+    M64, E64 = M.double().to(DEV), E.double().to(DEV)
+    worst = 0.0
+    for c, (first, count, ini, o) in enumerate(chains):
+        X = init[ini].double().to(DEV) if ini >= 0 else torch.zeros(H, D, D, dtype=torch.float64, device=DEV)
+        P = torch.eye(D, dtype=torch.float64, device=DEV).expand(H, D, D)
+        F = torch.zeros(H, D, D, dtype=torch.float64, device=DEV)
+        for j in range(count):
+            X = M64[first + j] @ X + E64[first + j]
+            P, F = M64[first + j] @ P, M64[first + j] @ F + E64[first + j]
+            worst = max(worst, rel(out[o + j], X))
+        worst = max(worst, rel(pm[c], P), rel(pe[c], F))
+    print(f"affine merge (3xTF32) vs FP64: {worst:.2e}")
+    assert worst <= 1.5e-5
+    # the same launches twice: bitwise equal
+    out2 = torch.full_like(out, float("nan"))
+    mod.merge_fold(M_d, E_d, torch.tensor(chains, dtype=torch.int32, device=DEV), init_d, out2)
+    assert torch.equal(out, out2)
