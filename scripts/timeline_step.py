@@ -44,6 +44,22 @@ def kernels_of(trace_path: Path):
     return sorted(out)
 
 
+def host_events(trace_path: Path, first_kernel: float, min_us: float) -> None:
+    """The host's ops and CUDA runtime / driver calls from the start event's record on, against the first
+    kernel's start on the GPU (the profiler puts both on one clock)."""
+    ev = [e for e in json.loads(trace_path.read_text())["traceEvents"]
+          if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")]
+    rec = [float(e["ts"]) for e in ev if e["name"] in ("cudaEventRecord", "cudaEventRecordWithFlags")]
+    if not rec:
+        print("no cudaEventRecord in the trace")
+        return
+    h0 = min(rec)
+    print(f"\nhost, from the start event's record (us; the first kernel starts on the GPU at {first_kernel - h0:.1f}):")
+    for e in sorted(ev, key=lambda e: float(e["ts"])):
+        if float(e["dur"]) >= min_us and float(e["ts"]) >= h0:
+            print(f"{float(e['ts']) - h0:10.1f} {float(e['dur']):9.1f}  {e['cat']:14s} {e['name'][:70]}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--heads", type=int, default=16)
@@ -51,6 +67,10 @@ def main():
     p.add_argument("--warm", type=int, default=2, help="untimed steps first")
     p.add_argument("--gap", type=float, default=5.0, help="report idle gaps longer than this (us)")
     p.add_argument("--trace", type=Path, default=Path("/tmp/kda_trace.json"))
+    p.add_argument("--workspace", action="store_true", help="pass a WorkspaceKcp, as the benchmark does")
+    p.add_argument("--host", type=float, default=None, metavar="US",
+                   help="also list the host's ops and CUDA runtime calls of at least US microseconds, from the "
+                        "start event's record (where the GPU waits for the host)")
     args = p.parse_args()
     dev = torch.device("cuda")
     cu, *inputs = step_inputs(DOCS, args.heads, dev)
@@ -58,8 +78,10 @@ def main():
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
     do = torch.randn(q.shape, device=dev, dtype=torch.bfloat16)
 
+    ws = kda_kcp.WorkspaceKcp(ctx, args.heads, device=dev) if args.workspace else None
+
     def fwd():
-        return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=True)
+        return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=True, workspace=ws)
 
     x = (q, k, v, g, beta)
     for _ in range(args.warm):
@@ -103,6 +125,8 @@ def main():
           f"some kernel running {busy:.0f} us, idle {span - busy:.0f} us in {len(gaps)} gaps > {args.gap} us")
     for at, length in gaps:
         print(f"  gap at {at:10.1f} us: {length:8.1f} us")
+    if args.host is not None:
+        host_events(args.trace, t0, args.host)
     by = {}
     for ts, dur, tid, cat, name in ks:
         by[short(name)] = by.get(short(name), 0.0) + dur
