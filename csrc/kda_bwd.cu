@@ -1,5 +1,5 @@
 // KDA chunked backward, head dim 128, chunk 64 (v1, staged). Four kernels (the segment summaries are folded
-// by the FP32 affine merge shared with the forward, kda_affine_merge.cuh, exported by the binding):
+// by the affine merge (FP32 states, 3xTF32 products) shared with the forward, kda_affine_merge.cuh, exported by the binding):
 //
 //   prep_kernel      (chunk, head):        G = cumsum g, P, L, Aqk by anchored pairwise products on tensor
 //                                          cores, A = (I + L)^-1 in FP32 (blocked substitution), W, U, Kg,

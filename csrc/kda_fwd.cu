@@ -11,7 +11,8 @@
 //      Kg^T V_new with wgmma: S^T and V_new^T from the warps' registers, W, Qg and Kg read once from shared
 //      memory for all four warps. The record of chunk c + 1 streams in (cp.async, three groups) while
 //      chunk c is computed. OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
-//   3. the FP32 affine merge of segment summaries (kda_affine_merge.cuh, shared with the backward).
+//   3. the affine merge of segment summaries (FP32 states, 3xTF32 products; kda_affine_merge.cuh, shared with the
+//      backward).
 // Precision (NOTES.md): A diag(beta), Aqk and Aqk's operands, S and V_new carried as bf16 hi + lo.
 #include "kda_chunk_prep.cuh"
 #include "kda_common.cuh"

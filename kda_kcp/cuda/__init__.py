@@ -1,7 +1,7 @@
 """CUDA backend: the forward and backward kernels of csrc/, loaded through kda_kcp.jit.
 
 Forward: csrc/kda_fwd.cu through ``.forward`` (a parallel chunk prep, then walks split over value
-columns, and the FP32 affine merge of segment summaries). Backward: csrc/kda_bwd.cu through ``.backward``.
+columns, and the affine merge of segment summaries: FP32 states, 3xTF32 products). Backward: csrc/kda_bwd.cu through ``.backward``.
 
 Tensors: q, k, v bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
 indexed [run, head, key, value]; summaries (M [n, H, K, K], E [n, H, K, V]) with S_next = M @ S + E.

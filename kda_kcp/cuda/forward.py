@@ -4,7 +4,8 @@
                   gamma) per (chunk, head) into a workspace
     walk_summary  one CTA per (segment, head, 16 NW of the 256 columns [M | E]): segment summaries from a
                   zero state (only for segments that are not the last of their run, or for fwd_summaries)
-    merge_fold    the FP32 affine fold (S_in(j + 1) = M_j S_in(j) + E_j), fixed order (csrc/kda_affine_merge.cuh)
+    merge_fold    the affine fold (S_in(j + 1) = M_j S_in(j) + E_j) of FP32 states, 3xTF32 products, fixed order
+                  (csrc/kda_affine_merge.cuh)
     walk_output   one CTA per (segment, head, 16 NW value columns): o from each segment's S_in
 
 ``fwd_output`` and ``fwd_summaries`` keep the contract of ``kda_kcp.cuda.CudaBackend``. The segment length
@@ -34,7 +35,7 @@ RECORD_BYTES = 70144  # kda::kStagedRecordBytes
 # ---- cost model of one walk step (one chunk of one CTA), in units of an output step at NW = 4 ----
 SUMMARY_STEP = 0.57  # [M | E] tiles: (256 + 296) / 2 mma per warp against 484 (priced on the mma.sync walk)
 CTAS_PER_SM = 2  # walk CTAs resident per SM (smem 86.5 KB at NW = 4, 218 registers)
-MERGE_STEP = 1.5  # one fold step (the FP32 merge kernel, 128 x 128 x 128) in output steps
+MERGE_STEP = 1.5  # one fold step (128 x 128 x 128) in output steps, priced on the FP32-FMA merge (now ~0.6 of it)
 CTA_START = 1.0  # a CTA's first loads and state in/out, in output steps
 # A CTA alone on its SM steps faster than one of two sharing it: whole runs at H = 16 (128 CTAs on 132
 # SMs) took 0.62 of the shared step time (H200, session 4: fwd 13.29 -> 11.45 ms against 58-chunk segments).
