@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["naive_kda"]
+__all__ = ["naive_kda", "naive_merge"]
 
 
 def _offsets(cu_seqlens) -> list[int]:
@@ -54,3 +54,22 @@ def naive_kda(q, k, v, g, beta, cu_seqlens, scale=None, dtype=torch.float64):
         state = s_new
     o = q.new_zeros(T, H, V)
     return o.index_put((torch.cat(where),), torch.cat(outs, 0))
+
+
+def naive_merge(m, e, chains, init=None, dtype=torch.float64):
+    """The affine merge's oracle (csrc/kda_affine_merge.cuh's fold and compose) in ``dtype``: for each chain row
+    (first, count, init row or -1, out) of ``chains``, the fold's states X_j = M[first + j] X_{j - 1} + E[first + j]
+    from X = init[row] (or zero), and the whole chain's map (P, F) composed from [I | 0]. ``m``, ``e``: [n, H, K, K]
+    and [n, H, K, V]. Returns ({out + j: X_j}, [(P, F) per chain])."""
+    m, e = m.to(dtype), e.to(dtype)
+    H, K, V = e.shape[1], m.shape[2], e.shape[3]
+    states, maps = {}, []
+    for first, count, row, out in ([int(x) for x in c] for c in chains):
+        X = init[row].to(device=m.device, dtype=dtype) if row >= 0 and init is not None else e.new_zeros(H, K, V)
+        P, F = torch.eye(K, dtype=dtype, device=m.device).expand(H, K, K), e.new_zeros(H, K, V)
+        for j in range(count):
+            X = m[first + j] @ X + e[first + j]
+            P, F = m[first + j] @ P, m[first + j] @ F + e[first + j]
+            states[out + j] = X
+        maps.append((P, F))
+    return states, maps

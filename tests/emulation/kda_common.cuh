@@ -51,13 +51,31 @@ inline void gather_a(const WarpCtx* w, float (&A)[16][16]) {
     }
   }
 }
-inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// An mma's operands through the warp context: every lane posts its A words and its B pair, then all lanes read
+// every lane's (gather); mma_acc's barrier then frees the context for the next mma.
+inline void post_frags(const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   WarpCtx* w = t_warp;
   const int l = t_lane;
   for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
   w->u[l][4] = b0;
   w->u[l][5] = b1;
   w->bar.arrive_and_wait();
+}
+// d += A B at this lane's m16n8 accumulator elements, the K products summed in FP64 and rounded once
+template <int K>
+inline void mma_acc(float (&d)[4], const float (&A)[16][K], const float (&B)[K][8]) {
+  t_warp->bar.arrive_and_wait();
+  const int g = t_lane >> 2, t = t_lane & 3;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    double s = d[e];
+    for (int k = 0; k < K; ++k) s += double(A[row][k]) * double(B[k][col]);
+    d[e] = float(s);
+  }
+}
+inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  post_frags(a, b0, b1);
+  WarpCtx* w = t_warp;
   float A[16][16], B[16][8];
   gather_a(w, A);
   for (int L = 0; L < 32; ++L) {
@@ -67,14 +85,7 @@ inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
       B[2 * t + 8 + e][g] = bf(w->u[L][5], e);
     }
   }
-  w->bar.arrive_and_wait();
-  const int g = l >> 2, t = l & 3;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-    double s = d[e];
-    for (int k = 0; k < 16; ++k) s += double(A[row][k]) * double(B[k][col]);
-    d[e] = float(s);
-  }
+  mma_acc(d, A, B);
 }
 // cvt.rna.tf32.f32 on finite values: the magnitude rounded to 10 mantissa bits, ties away from zero
 inline uint32_t to_tf32(float x) {
@@ -89,12 +100,8 @@ inline void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
 }
 // mma.m16n8k8 tf32 (the m16n8k8 fragment layouts; products summed in FP64 onto the FP32 accumulator)
 inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  post_frags(a, b0, b1);
   WarpCtx* w = t_warp;
-  const int l = t_lane;
-  for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
-  w->u[l][4] = b0;
-  w->u[l][5] = b1;
-  w->bar.arrive_and_wait();
   float A[16][8], B[8][8];
   for (int L = 0; L < 32; ++L) {
     const int g = L >> 2, t = L & 3;
@@ -105,14 +112,7 @@ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
     B[t][g] = tf32_value(w->u[L][4]);
     B[t + 4][g] = tf32_value(w->u[L][5]);
   }
-  w->bar.arrive_and_wait();
-  const int g = l >> 2, t = l & 3;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-    double s = d[e];
-    for (int k = 0; k < 8; ++k) s += double(A[row][k]) * double(B[k][col]);
-    d[e] = float(s);
-  }
+  mma_acc(d, A, B);
 }
 inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo).x, __float2bfloat16_rn(hi).x); }
 inline float2 bf2_to_f2(uint32_t w) { return make_float2(bf(w, 0), bf(w, 1)); }

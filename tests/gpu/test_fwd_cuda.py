@@ -25,7 +25,7 @@ require_kernel_gpu("the CUDA forward tests")
 from kda_kcp.cuda import CudaBackend  # noqa: E402
 from kda_kcp.cuda.forward import forward_tables  # noqa: E402
 from kda_kcp.plan import LocalPlan, build_plan  # noqa: E402
-from kda_kcp.reference import naive_kda  # noqa: E402
+from kda_kcp.reference import naive_kda, naive_merge  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
 
 SEED = fresh_seed("test_fwd_cuda")
@@ -282,17 +282,9 @@ def test_affine_merge_against_fp64():
     pm = torch.full((4, H, D, D), float("nan"), device=DEV)
     pe = torch.full((4, H, D, D), float("nan"), device=DEV)
     mod.merge_compose(M_d, E_d, torch.tensor(cc, dtype=torch.int32, device=DEV), pm, pe)
-    M64, E64 = M.double().to(DEV), E.double().to(DEV)
-    worst = 0.0
-    for c, (first, count, ini, o) in enumerate(chains):
-        X = init[ini].double().to(DEV) if ini >= 0 else torch.zeros(H, D, D, dtype=torch.float64, device=DEV)
-        P = torch.eye(D, dtype=torch.float64, device=DEV).expand(H, D, D)
-        F = torch.zeros(H, D, D, dtype=torch.float64, device=DEV)
-        for j in range(count):
-            X = M64[first + j] @ X + E64[first + j]
-            P, F = M64[first + j] @ P, M64[first + j] @ F + E64[first + j]
-            worst = max(worst, rel(out[o + j], X))
-        worst = max(worst, rel(pm[c], P), rel(pe[c], F))
+    states, maps = naive_merge(M_d, E_d, chains, init_d)
+    worst = max(rel(out[i], x) for i, x in states.items())
+    worst = max(worst, *(max(rel(pm[c], P), rel(pe[c], F)) for c, (P, F) in enumerate(maps)))
     print(f"affine merge (3xTF32) vs FP64: {worst:.2e}")
     assert worst <= 1.5e-5
     # the same launches twice: bitwise equal
