@@ -7,7 +7,8 @@ Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writ
 (W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma; room for dV_new); a forward walk
 per (run, head) (one 8-warp CTA of all 128 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
 walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries (the two walks,
-with their summaries and folds, run on two streams: ``_both_walks``); a gradient
+with their summaries and folds, run on two streams: ``_both_walks``; whole-run walks of unlike lengths run in
+up to 4 walk groups, each group's gradients starting when its own walks end: ``_walk_groups``); a gradient
 kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as bf16
 hi + lo, in the walks' register order (``hi_state_shape``, ``hi_states``, ``split_state_shape``,
 ``split_states``). Because the forward walk overwrites U,
