@@ -1,7 +1,7 @@
 """Which backend runs a call: the CUDA kernels on sm_90a / sm_100a / sm_103a, else the torch backend.
 
 ``KDA_KCP_BACKEND=torch|cuda`` forces one. On a GPU without kernels the torch backend runs, with one
-warning per process.
+warning per process. The choice is made once per (device, mode, KDA_KCP_BACKEND) and kept for the process.
 """
 
 from __future__ import annotations
@@ -38,12 +38,25 @@ def _cuda_backend(device: torch.device, deterministic: bool):
     return backend
 
 
+_selected: dict = {}  # (device, deterministic, KDA_KCP_BACKEND) -> backend
+
+
 def select_backend(device: torch.device, deterministic: bool):
-    """The backend object for tensors on ``device``."""
-    global _warned_fallback
+    """The backend object for tensors on ``device``. Every call asks (the facade, then the backward on autograd's
+    thread), so the answer is cached per (device, mode, KDA_KCP_BACKEND): the capability query and the load check
+    cost 15-45 us of host time per call on the H200 machine, before the first kernel can start."""
     forced = os.environ.get("KDA_KCP_BACKEND", "").strip().lower()
     if forced not in ("", "torch", "cuda"):
         raise ValueError(f"KDA_KCP_BACKEND must be 'torch' or 'cuda', got {forced!r}")
+    key = (device, deterministic, forced)
+    backend = _selected.get(key)
+    if backend is None:
+        backend = _selected[key] = _select(device, deterministic, forced)
+    return backend
+
+
+def _select(device: torch.device, deterministic: bool, forced: str):
+    global _warned_fallback
     if forced == "torch":
         return _TORCH
     if device.type != "cuda":
@@ -63,7 +76,7 @@ def select_backend(device: torch.device, deterministic: bool):
                 f"kda_kcp has no kernels for sm_{cap[0]}{cap[1]} ({torch.cuda.get_device_name(device)}); "
                 "running the torch backend, which is correct but slow",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         return _TORCH
     from .jit import KernelBuildError
@@ -75,5 +88,5 @@ def select_backend(device: torch.device, deterministic: bool):
             raise BackendUnavailable(f"KDA_KCP_BACKEND=cuda, but the CUDA backend cannot load: {exc}") from exc
         if not _warned_fallback:
             _warned_fallback = True
-            warnings.warn(f"kda_kcp CUDA backend unavailable ({exc}); running the torch backend", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"kda_kcp CUDA backend unavailable ({exc}); running the torch backend", RuntimeWarning, stacklevel=4)
         return _TORCH

@@ -98,3 +98,20 @@ def test_backend_environment_variable(monkeypatch, batch):
         kda_kcp.chunk_kda_kcp(*inputs, ctx)
     monkeypatch.delenv("KDA_KCP_BACKEND")
     assert torch.equal(kda_kcp.chunk_kda_kcp(*inputs, ctx), ref)
+
+
+def test_backend_choice_is_made_once(monkeypatch, batch):
+    """select_backend decides once per (device, mode, KDA_KCP_BACKEND): later calls take the kept answer (no
+    capability query per call), and a change of the variable is a new key."""
+    inputs, ctx = batch
+    made = []
+    real = backend_mod._select
+    monkeypatch.setattr(backend_mod, "_selected", {})
+    monkeypatch.setattr(backend_mod, "_select", lambda *a: made.append(a) or real(*a))
+    monkeypatch.delenv("KDA_KCP_BACKEND", raising=False)
+    for _ in range(3):
+        kda_kcp.chunk_kda_kcp(*inputs, ctx)
+    assert len(made) == 1
+    monkeypatch.setenv("KDA_KCP_BACKEND", "torch")
+    kda_kcp.chunk_kda_kcp(*inputs, ctx)
+    assert len(made) == 2 and made[1][2] == "torch"
