@@ -89,6 +89,15 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeArgs a) {
         split_tf32(x[n][e], Xh[r][cc], Xl[r][cc]);
       }
   };
+  // X at this lane's elements -> state [index] of `out` (fp32 [n, H, D, D])
+  auto store_x = [&](float* out, int64_t index, const float (&x)[kN8][4]) {
+    float* dst = out + (index * H + h) * D * D + col0;
+#pragma unroll
+    for (int n = 0; n < kN8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2)
+        *reinterpret_cast<float2*>(dst + frag_row(r0, e) * D + frag_col(q, n, e)) = make_float2(x[n][e], x[n][e + 1]);
+  };
   if (cnt > 0) stage_m(sM, a.m + step_base(0), t);
   float x[kN8][4];  // X at this lane's elements: the chain's state after the last step
 #pragma unroll
@@ -148,23 +157,9 @@ __global__ void __launch_bounds__(256) merge_kernel(const MergeArgs a) {
       for (int e = 0; e < 4; ++e) x[n][e] = ((acc[2][n][e] + acc[3][n][e]) + (acc[0][n][e] + acc[1][n][e])) + e_cur[n][e];
     __syncthreads();  // every warp has read the split X of step j - 1
     put_x(x);
-    if (!COMPOSE) {
-      float* dst = a.out0 + (static_cast<int64_t>(outi + j) * H + h) * D * D + col0;
-#pragma unroll
-      for (int n = 0; n < kN8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2)
-          *reinterpret_cast<float2*>(dst + frag_row(r0, e) * D + frag_col(q, n, e)) = make_float2(x[n][e], x[n][e + 1]);
-    }
+    if (!COMPOSE) store_x(a.out0, outi + j, x);
   }
-  if (COMPOSE) {
-    float* dst = (mpart ? a.out0 : a.out1) + (static_cast<int64_t>(outi) * H + h) * D * D + col0;
-#pragma unroll
-    for (int n = 0; n < kN8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; e += 2)
-        *reinterpret_cast<float2*>(dst + frag_row(r0, e) * D + frag_col(q, n, e)) = make_float2(x[n][e], x[n][e + 1]);
-  }
+  if (COMPOSE) store_x(mpart ? a.out0 : a.out1, outi, x);
 }
 
 // one CTA per (chain, head, state-column tile); compose also covers E's columns

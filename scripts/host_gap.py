@@ -20,11 +20,12 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kda_kcp  # noqa: E402
+from bench_kda_kcp import Bench  # noqa: E402  (the benchmark's own fwd / bwd / ckpt ops)
 from profile_step import DOCS, step_inputs  # noqa: E402
 
 
@@ -62,13 +63,7 @@ def main():
 
         do = torch.randn(x[0].shape, dtype=torch.bfloat16, device=dev)
         for op in args.ops:
-            if op == "fwd":
-                prepare, timed = (lambda: None), (lambda _: fn(*x))
-            elif op == "bwd":
-                prepare, timed = (lambda: fn(*x)), (lambda o: torch.autograd.grad(o, x, do))
-            else:
-                prepare = lambda: None  # noqa: E731
-                timed = lambda _: torch.autograd.grad(checkpoint(fn, *x, use_reentrant=False), x, do)  # noqa: E731
+            prepare, timed = Bench.op_fns(op, fn, x, do)
             times = {False: [], True: []}
             for i in range(2 * args.iters + 2):
                 spin = bool(i % 2)

@@ -21,15 +21,16 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kda_kcp  # noqa: E402
 import kda_kcp.function as function  # noqa: E402
 from kda_kcp.cuda import CudaBackend  # noqa: E402
 from kda_kcp.cuda import backward as cuda_bwd  # noqa: E402
 from kda_kcp.cuda import forward as cuda_fwd  # noqa: E402
+from bench_kda_kcp import Bench  # noqa: E402  (the benchmark's own fwd / bwd / ckpt ops)
 from profile_step import DOCS, step_inputs  # noqa: E402
 
 EVENTS: list = []  # (t0, t1, thread name, name)
@@ -118,19 +119,15 @@ def main():
         if not args.stub:
             torch.cuda.synchronize()
 
+    prepare, timed = Bench.op_fns(args.op, fn, x, do)
     for i in range(args.warm + args.iters):
-        state = fn(*x) if args.op == "bwd" else None
+        state = prepare()
         sync()
         EVENTS.clear()
         t0 = time.perf_counter()
         if not args.stub:
             torch.cuda.Event(enable_timing=True).record()
-        if args.op == "fwd":
-            out = fn(*x)
-        elif args.op == "bwd":
-            out = torch.autograd.grad(state, x, do)
-        else:
-            out = torch.autograd.grad(checkpoint(fn, *x, use_reentrant=False), x, do)
+        out = timed(state)
         t_end = time.perf_counter()
         sync()
         del out, state

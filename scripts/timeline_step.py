@@ -34,8 +34,7 @@ def short(name: str) -> str:
     return name[:48]
 
 
-def kernels_of(trace_path: Path):
-    ev = json.loads(trace_path.read_text())["traceEvents"]
+def kernels_of(ev):
     out = []
     for e in ev:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -44,11 +43,10 @@ def kernels_of(trace_path: Path):
     return sorted(out)
 
 
-def host_events(trace_path: Path, first_kernel: float, min_us: float) -> None:
+def host_events(trace, first_kernel: float, min_us: float) -> None:
     """The host's ops and CUDA runtime / driver calls from the start event's record on, against the first
     kernel's start on the GPU (the profiler puts both on one clock)."""
-    ev = [e for e in json.loads(trace_path.read_text())["traceEvents"]
-          if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")]
+    ev = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")]
     rec = [float(e["ts"]) for e in ev if e["name"] in ("cudaEventRecord", "cudaEventRecordWithFlags")]
     if not rec:
         print("no cudaEventRecord in the trace")
@@ -99,7 +97,8 @@ def main():
         end.record()
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(args.trace))
-    ks = kernels_of(args.trace)
+    trace = json.loads(args.trace.read_text())["traceEvents"]
+    ks = kernels_of(trace)
     if not ks:
         print("no kernels in the trace")
         return
@@ -126,7 +125,7 @@ def main():
     for at, length in gaps:
         print(f"  gap at {at:10.1f} us: {length:8.1f} us")
     if args.host is not None:
-        host_events(args.trace, t0, args.host)
+        host_events(trace, t0, args.host)
     by = {}
     for ts, dur, tid, cat, name in ks:
         by[short(name)] = by.get(short(name), 0.0) + dur

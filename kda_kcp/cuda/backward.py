@@ -29,7 +29,7 @@ import torch
 
 from ..arena import Arena, tensor_bytes
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_tensors, state_bytes
+from .common import _D, _c, check_tensors, sm_count, state_bytes
 
 __all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
            "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load"]
@@ -164,10 +164,6 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
     return best[1]
 
 
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == "cuda" else 132
-
-
 # SMs a (row, head) of a launch takes at 4 warps per CTA (``walk_warps``' demand): a reverse walk is 2 CTAs of
 # 148 KB (one per SM), a forward walk 2 CTAs of 101 KB (two share an SM); the two chains run at once. A summary
 # has twice the columns. The KCP exchange's reverse summaries run alone.
@@ -196,7 +192,7 @@ class SegTables:
     def __init__(self, plan, heads: int, device):
         C = plan.chunk_size
         run_chunks = [r.num_chunks(C) for r in plan.runs]
-        sms = _sm_count(device)
+        sms = sm_count(device)
         L = choose_segment_chunks(run_chunks, heads, sms)
         fwalk, rwalk, fsum, rsum, fch, rch = [], [], [], [], [], []
         nf = nr = 0
@@ -579,7 +575,7 @@ class PreparedBackward:
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
             self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale)
-        warps = walk_warps(REV_SUMMARY_SMS * len(run_ids) * H, _sm_count(self.dev))
+        warps = walk_warps(REV_SUMMARY_SMS * len(run_ids) * H, sm_count(self.dev))
         self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F, warps)
         return Mt, F
 

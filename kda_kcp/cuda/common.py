@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["_D", "_c", "check_tensors", "state_bytes"]
+__all__ = ["_D", "_c", "check_tensors", "sm_count", "state_bytes"]
 
 _D = 128  # the kernels' head dim (K = V)
 
@@ -14,6 +14,12 @@ def state_bytes(n: int, heads: int) -> int:
     from ..arena import tensor_bytes
 
     return tensor_bytes((n, heads, _D, _D), torch.float32)
+
+
+def sm_count(device) -> int:
+    """SMs of ``device``; 132 (an H200's) off the GPU, so the CPU tests choose as on the benchmark's machine."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _c(x: torch.Tensor) -> torch.Tensor:

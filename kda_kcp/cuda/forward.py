@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..arena import Arena, tensor_bytes
-from .common import _D, _c, check_tensors, state_bytes
+from .common import _D, _c, check_tensors, sm_count, state_bytes
 
 __all__ = ["load", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
            "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
@@ -127,12 +127,6 @@ def _segments(run, first_chunk: int, L: int):
     return out
 
 
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _chunk_table(plan, device):
     """(int32 [Nc, 2] (tok_start, rows) of every chunk of the plan, each run's first chunk index), cached."""
     key = ("cuda_forward_chunks", str(device))
@@ -161,7 +155,7 @@ def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = Non
     cache = plan._tables
     if key in cache:
         return cache[key]
-    nsm = sms if sms is not None else _sm_count(device)
+    nsm = sms if sms is not None else sm_count(device)
     L = choose_segment_chunks([runs[r].num_chunks(CHUNK) for r in ids], heads, nsm, warps)
     chunks, firsts, nchunks = _chunk_table(plan, device)
     out, summ, chains = [], [], []
