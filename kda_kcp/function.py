@@ -122,7 +122,7 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     arena = None
     if backend.name == "cuda":
         start = aligned(numel * dt.itemsize)
-        arena = Arena(workspace.buffer[start:need], device)
+        arena = workspace.arena(start, need, device)
     return xbuf, arena
 
 

@@ -22,6 +22,7 @@ __all__ = ["manifest", "arch_of_device", "program_path", "load_program", "Kernel
 _PKG = Path(__file__).resolve().parent
 _LOCK = threading.Lock()
 _LOADED: dict[tuple[str, str], object] = {}
+_BY_DEVICE: dict = {}  # (name, torch.device with an index) -> the module of _LOADED for its arch
 
 
 class KernelBuildError(RuntimeError):
@@ -207,7 +208,13 @@ def program_path(name: str, arch: str) -> Path:
 
 
 def load_program(name: str, device=None):
-    """The tvm_ffi module of program ``name`` for the arch of ``device`` (cached per process)."""
+    """The tvm_ffi module of program ``name`` for the arch of ``device`` (cached per process). Every call of
+    the CUDA backend asks; a device with an index is answered from ``_BY_DEVICE`` without the capability
+    query and the lock (a few us of host time before the call's first launch)."""
+    fast = (name, device) if getattr(device, "index", None) is not None else None
+    mod = _BY_DEVICE.get(fast) if fast is not None else None
+    if mod is not None:
+        return mod
     arch = arch_of_device(device)
     with _LOCK:
         key = (name, arch)
@@ -215,4 +222,6 @@ def load_program(name: str, device=None):
             import tvm_ffi
 
             _LOADED[key] = tvm_ffi.load_module(str(program_path(name, arch)))
+        if fast is not None:
+            _BY_DEVICE[fast] = _LOADED[key]
         return _LOADED[key]

@@ -36,11 +36,12 @@ def values_requested(validate) -> bool:
     return check_flag("validate", validate)
 
 
-def _tensor(name: str, x, dims: int, what: str) -> torch.Tensor:
+def _tensor(name: str, x, dims: int, what: str, **shape) -> torch.Tensor:
+    """``what`` is formatted with ``shape`` on the error path only (every call runs these checks)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {what}, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor {what.format(**shape)}, got {type(x).__name__}")
     if x.dim() != dims:
-        raise ValueError(f"{name} must be {what}, got shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must be {what.format(**shape)}, got shape {tuple(x.shape)}")
     return x
 
 
@@ -52,10 +53,10 @@ def check_inputs(q, k, v, g, beta, ctx, backend_name: str) -> None:
         raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
     _tensor("q", q, 3, "of shape [T, H, K]")
     T, H, K = q.shape
-    _tensor("k", k, 3, f"of shape [T, H, K] = {[T, H, K]}")
-    _tensor("v", v, 3, f"of shape [T, H, V] with T = {T}, H = {H}")
-    _tensor("g", g, 3, f"of shape [T, H, K] = {[T, H, K]}")
-    _tensor("beta", beta, 2, f"of shape [T, H] = {[T, H]}")
+    _tensor("k", k, 3, "of shape [T, H, K] = [{T}, {H}, {K}]", T=T, H=H, K=K)
+    _tensor("v", v, 3, "of shape [T, H, V] with T = {T}, H = {H}", T=T, H=H)
+    _tensor("g", g, 3, "of shape [T, H, K] = [{T}, {H}, {K}]", T=T, H=H, K=K)
+    _tensor("beta", beta, 2, "of shape [T, H] = [{T}, {H}]", T=T, H=H)
     if tuple(k.shape) != (T, H, K):
         raise ValueError(f"k must have the shape of q, {[T, H, K]}, got {list(k.shape)}")
     if tuple(g.shape) != (T, H, K):
@@ -84,10 +85,10 @@ def check_inputs(q, k, v, g, beta, ctx, backend_name: str) -> None:
             f"{device}; use NCCL with CUDA tensors and gloo with CPU tensors"
         )
     if backend_name == "cuda":
-        want = {"q": torch.bfloat16, "k": torch.bfloat16, "v": torch.bfloat16, "g": torch.float32, "beta": torch.bfloat16}
-        for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            if x.dtype != want[name]:
-                raise TypeError(f"{name} must be {want[name]} on the CUDA backend, got {x.dtype}")
+        for name, x, want in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
+                              ("g", g, torch.float32), ("beta", beta, torch.bfloat16)):
+            if x.dtype != want:
+                raise TypeError(f"{name} must be {want} on the CUDA backend, got {x.dtype}")
         if K != 128 or v.shape[2] != 128:
             raise ValueError(
                 f"the CUDA backend supports head dim 128 only, got K = {K}, V = {v.shape[2]} "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .arena import aligned
+from .arena import Arena, aligned
 from .exchange import summary_elements
 
 __all__ = [
@@ -165,6 +165,18 @@ class WorkspaceKcp:
         if self.buffer.device != device:
             raise ValueError(f"workspace is on {self.buffer.device} but the inputs are on {device}")
         return self.buffer[:need].view(dtype)
+
+    def arena(self, start: int, end: int, device) -> Arena:
+        """An empty ``Arena`` over bytes [start, end) of the buffer. The slice and its typed views are kept
+        per (start, end), so a call makes no view of the buffer after the first call of its shape."""
+        owner, cache = self.__dict__.get("_arenas", (None, None))
+        if owner is not self.buffer:  # made for another buffer (or none yet)
+            cache = {}
+            self._arenas = (self.buffer, cache)
+        if (start, end) not in cache:
+            cache[(start, end)] = (self.buffer[start:end], {})
+        base, views = cache[(start, end)]
+        return Arena(base, device, views=views)
 
     def __repr__(self) -> str:
         return f"WorkspaceKcp(nbytes={self.nbytes}, device={self.device})"

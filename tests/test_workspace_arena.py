@@ -41,7 +41,8 @@ def _fake_cuda(monkeypatch):
     monkeypatch.setattr(function, "select_backend", lambda device, det: backend)
     monkeypatch.setattr(kda_kcp.backend, "select_backend", lambda device, det: backend)
     monkeypatch.setattr(function, "check_inputs", lambda *a: None)
-    monkeypatch.setattr(function, "Arena", _Recorded)
+    monkeypatch.setattr(function, "Arena", _Recorded)  # calls without a workspace
+    monkeypatch.setattr(kda_kcp.workspace, "Arena", _Recorded)  # WorkspaceKcp.arena: calls with one
     monkeypatch.setattr(forward, "check_tensors", lambda *a: None)
     monkeypatch.setattr(backward, "check_tensors", lambda *a: None)
     monkeypatch.setattr(forward, "load", lambda device: _NoKernels())
@@ -151,3 +152,30 @@ def test_call_need_is_cached_per_knob(monkeypatch):
     monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2" if needs["2"] > needs["0"] else "0")
     with pytest.raises(ValueError, match="workspace too small"):
         function.forward_kcp(q, k, v, g, beta, ctx, None, True, small)
+
+
+def test_arena_carves_are_views_of_the_buffer():
+    """Each carve is a contiguous view of its own aligned bytes of the workspace, whatever the dtype; the typed
+    views a workspace keeps are reused by the next call's arena; a buffer whose bytes do not divide into a dtype
+    is carved by slicing, at the same offsets."""
+    ws = kda_kcp.WorkspaceKcp.from_buffer(torch.zeros(8192, dtype=torch.uint8))
+    for a in (ws.arena(256, 8192, "cpu"), ws.arena(256, 8192, "cpu")):
+        x = a.empty((2, 3, 5), torch.float32)
+        y = a.empty((7,), torch.bfloat16)
+        z = a.empty((0, 4), torch.float32)
+        w = a.empty((3, 2), torch.int32)
+        assert x.is_contiguous() and y.is_contiguous() and w.is_contiguous() and z.shape == (0, 4)
+        assert a.peak == 256 * 3 and a.offset == 256 * 3
+        for t, start in ((x, 256), (y, 512), (w, 768)):
+            assert t.untyped_storage().data_ptr() == ws.buffer.untyped_storage().data_ptr()
+            assert t.storage_offset() * t.element_size() == start
+        x.fill_(1.5), y.fill_(-2.0), w.fill_(7)
+        assert torch.equal(ws.buffer[256:256 + 120].view(torch.float32), torch.full((30,), 1.5))
+        assert torch.equal(ws.buffer[512:512 + 14].view(torch.bfloat16), torch.full((7,), -2.0, dtype=torch.bfloat16))
+        assert torch.equal(ws.buffer[768:768 + 24].view(torch.int32), torch.full((6,), 7, dtype=torch.int32))
+        assert ws.buffer[256 + 120:512].eq(0).all() and ws.buffer[512 + 14:768].eq(0).all()
+        ws.buffer.zero_()
+    assert len(ws._arenas[1]) == 1  # one (start, end): its views were made once
+    odd = Arena(torch.zeros(1000, dtype=torch.uint8)[:998], "cpu")  # 998 bytes: no float32 view of the whole
+    t = odd.empty((3,), torch.float32)
+    assert t.storage_offset() == 0 and odd.empty((2,), torch.float32).storage_offset() * 4 == 256

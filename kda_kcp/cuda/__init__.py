@@ -52,7 +52,8 @@ class CudaBackend:
 
     # one call, prepared once: the chunk records serve the KCP summaries and the local pass
     def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None) -> forward.PreparedForward:
-        return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena)
+        """Called by kda_kcp.function after check_inputs has passed these tensors for this backend."""
+        return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena, checked=True)
 
     def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None) -> backward.PreparedBackward:
         return backward.PreparedBackward(q, k, v, g, beta, do, scale, plan, arena, passes)

@@ -16,10 +16,20 @@ def state_bytes(n: int, heads: int) -> int:
     return tensor_bytes((n, heads, _D, _D), torch.float32)
 
 
+_SMS: dict = {}
+
+
 def sm_count(device) -> int:
-    """SMs of ``device``; 132 (an H200's) off the GPU, so the CPU tests choose as on the benchmark's machine."""
+    """SMs of ``device``; 132 (an H200's) off the GPU, so the CPU tests choose as on the benchmark's machine.
+    Kept per device with an index (a property query per call otherwise)."""
     device = torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if device.type != "cuda":
+        return 132
+    if device.index is None:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def _c(x: torch.Tensor) -> torch.Tensor:

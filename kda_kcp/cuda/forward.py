@@ -239,9 +239,13 @@ class PreparedForward:
     the summary walks of the runs a rank publishes (KCP) and by the output walk. Scratch comes from
     ``arena`` (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve."""
 
-    def __init__(self, q, k, v, g, beta, scale, plan, arena=None):
-        check_tensors("CUDA backend", q, k, v, g, beta)
-        self.q, self.k, self.v, self.g, self.beta = (_c(x) for x in (q, k, v, g, beta))
+    def __init__(self, q, k, v, g, beta, scale, plan, arena=None, checked=False):
+        """``checked``: the caller has run ``kda_kcp.validate.check_inputs`` for the CUDA backend on these
+        tensors in this call (dtypes, shapes, device, contiguity), so they are used as they are."""
+        if not checked:
+            check_tensors("CUDA backend", q, k, v, g, beta)
+            q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
+        self.q, self.k, self.v, self.g, self.beta = q, k, v, g, beta
         self.scale, self.plan = float(scale), plan
         self.dev = self.q.device
         self.H = self.q.shape[1]
