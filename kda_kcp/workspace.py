@@ -149,6 +149,14 @@ class WorkspaceKcp:
         ``lean_passes``), which its size must fit (kda_workspace_bytes_kcp with the same arguments)."""
         if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise TypeError("workspace buffer must be a 1-D torch.uint8 tensor")
+        if buffer.numel() and buffer.stride(0) != 1:
+            raise ValueError(f"workspace buffer must be contiguous, got stride {buffer.stride(0)}")
+        # the kernels read the carves with 16-byte accesses, and the carves start on ALIGN-byte offsets from here
+        if buffer.numel() and buffer.data_ptr() % 16:
+            raise ValueError(
+                f"workspace buffer must start on a 16-byte boundary, got an address {buffer.data_ptr() % 16} bytes past "
+                "one (slice a larger buffer at a multiple of 16 bytes)"
+            )
         ws = cls.__new__(cls)
         ws.nbytes, ws.deterministic, ws.device, ws.buffer = buffer.numel(), deterministic, buffer.device, buffer
         ws.lean_passes = check_arena(local_arena, lean_passes)

@@ -61,3 +61,10 @@ def test_workspace_object():
     assert ws.nbytes == 0 and ws.buffer.numel() == 0 and ws.device == torch.device("cpu")
     with pytest.raises(TypeError, match="uint8"):
         kda_kcp.WorkspaceKcp.from_buffer(torch.empty(8, dtype=torch.float32))
+    big = torch.empty(4096, dtype=torch.uint8)
+    base = (-big.data_ptr()) % 16  # the first 16-byte boundary inside it
+    assert kda_kcp.WorkspaceKcp.from_buffer(big[base + 16:]).nbytes == 4096 - base - 16
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        kda_kcp.WorkspaceKcp.from_buffer(big[base + 3:])
+    with pytest.raises(ValueError, match="contiguous"):
+        kda_kcp.WorkspaceKcp.from_buffer(big[::2])
