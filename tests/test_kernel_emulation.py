@@ -422,6 +422,11 @@ def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_group
     groups = cb._walk_groups(plan, 1, "cpu")
     want = [[(0, 2), (6, 7)], [(2, 6)]] if max_groups == "2" else [[(6, 7)], [(0, 2)], [(2, 6)]]
     assert [grp.ranges for grp in groups] == want
+    _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
+
+
+def _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch):
+    """The backward with KDA_KCP_BWD_PIPELINE = 1 and = 0: every gradient bit for bit, none all zero."""
     got = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", flag)
@@ -429,6 +434,18 @@ def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_group
     for name, a, b in zip(NAMES, got["1"], got["0"]):
         assert torch.equal(a, b), f"{name}: the pipelined backward differs"
         assert a.float().abs().sum() > 0, name
+
+
+def test_pipelined_segmented_backward_is_bitwise_the_plain_one(emu, monkeypatch):
+    """Segmented walks (2-chunk segments: summaries and folds both ways) of runs of 2, 4 and 1 chunks, pipelined in
+    two halves of the chunk table ([0, 4) and [4, 7)), give the unpipelined gradients bit for bit, from given
+    states."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")
+    cu = [0, 70, 300, 330]
+    plan, inputs, do, sin, dso = _case(cu, 1, 12)
+    assert [grp.ranges for grp in cb._walk_groups(plan, 1, "cpu")] == [[(0, 4)], [(4, 7)]]
+    _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
 
 
 def _emulated_kcp(rank, world, lib_path):

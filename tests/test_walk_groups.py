@@ -1,6 +1,7 @@
-"""The pipelined backward's walk groups (kda_kcp.cuda.backward.group_runs and _walk_groups): runs grouped by walk
-length so that each group's gradient kernel starts when its own walks end; the cap and its validation. Pure
-functions of the plan (CPU); the emulation tests check that every grouping gives the unpipelined gradients."""
+"""The pipelined backward's walk groups (kda_kcp.cuda.backward.group_runs and _walk_groups): whole-run walks grouped
+by walk length so that each group's gradient kernel starts when its own walks end, segmented walks in two halves of
+the chunk table; the cap and its validation. Pure functions of the plan (CPU); the emulation tests check that every
+grouping gives the unpipelined gradients."""
 
 import pytest
 
@@ -36,6 +37,29 @@ def test_walk_groups_of_the_benchmark_batch(monkeypatch):
         groups = cb._walk_groups(plan, 16, "cpu")
         assert [grp.ranges for grp in groups] == want
         assert sum(grp.fwalk.shape[0] for grp in groups) == cb._seg_tables(plan, 16, "cpu").fwalk.shape[0]
+
+
+def test_segmented_walks_in_halves(monkeypatch):
+    """At H = 4 the benchmark batch's walks are segmented: two groups of whole segments, the first half of the
+    chunk table and the second, every segment in exactly one, both walk tables split alike."""
+    monkeypatch.delenv("KDA_KCP_BWD_SEG_CHUNKS", raising=False)
+    monkeypatch.delenv("KDA_KCP_BWD_WALK_GROUPS", raising=False)
+    cu = [0]
+    for n in BENCH_DOCS:
+        cu.append(cu[-1] + n)
+    plan = local_plan(cu)
+    st = cb._seg_tables(plan, 4, "cpu")
+    assert st.num_sum_f > 0 and st.num_sum_r > 0  # segmented at H = 4
+    groups = cb._walk_groups(plan, 4, "cpu")
+    assert len(groups) == 2
+    (a0, a1), = groups[0].ranges
+    (b0, b1), = groups[1].ranges
+    assert a0 == 0 and a1 == b0 and b1 == 4086 and abs(a1 - 2043) <= st.seg_chunks
+    for name in ("fwalk", "rwalk"):
+        rows = sorted(tuple(r) for grp in groups for r in getattr(grp, name).tolist())
+        assert rows == sorted(tuple(r) for r in getattr(st, name).tolist())
+    for grp in groups:  # a segment's forward and reverse walk rows go together
+        assert sorted(r[:2] for r in grp.fwalk.tolist()) == sorted(r[:2] for r in grp.rwalk.tolist())
 
 
 def test_walk_groups_cap_is_checked(monkeypatch):

@@ -428,7 +428,7 @@ def _state(x, n, H, none, name):
 
 
 def _pipeline() -> bool:
-    """Whether whole-run backward walks are pipelined with the gradient kernel (``_walk_groups``; the default;
+    """Whether the backward walks are pipelined with the gradient kernel (``_walk_groups``; the default;
     ``KDA_KCP_BWD_PIPELINE=0`` turns it off, for A/Bs)."""
     v = os.environ.get("KDA_KCP_BWD_PIPELINE", "1").strip()
     if v not in ("0", "1"):
@@ -475,11 +475,13 @@ def group_runs(lengths: dict, max_groups: int) -> list:
 
 
 def _walk_groups(plan, heads: int, device):
-    """WalkGroups of the whole-run backward walks, the shortest runs' first and the longest's last, or None
-    (segmented walks, or all runs alike). The walks of a run are serial in its chunks, so the shorter runs'
+    """WalkGroups of the backward walks, or None (one segment, or whole runs all alike). Whole-run walks: the
+    shortest runs' first and the longest's last. The walks of a run are serial in its chunks, so the shorter runs'
     walks end well before the longest one's and their SMs would idle: each group's gradient kernel starts as
-    soon as its own walks end, beside the longer groups' walks. Every kernel sees the same rows and chunks as
-    unpipelined, so the results are bitwise equal. A pure function of the plan (cached)."""
+    soon as its own walks end, beside the longer groups' walks. Segmented walks (all about one length): the first
+    and the second half of the chunk table, so that one half's gradients fill the SMs the walks' last wave leaves.
+    Every kernel sees the same rows and chunks as unpipelined, so the results are bitwise equal. A pure function of
+    the plan (cached)."""
     key = ("cuda_bwd_walk_groups", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""),
            _max_walk_groups())
     cache = plan._tables
@@ -494,6 +496,23 @@ def _walk_groups(plan, heads: int, device):
             groups = []
             for ids in map(set, runs):
                 mine = lambda rows: [r for r in rows if r[2] in ids]  # noqa: E731
+                ranges = coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(mine(fw))])
+                groups.append(WalkGroup(mine(fw), mine(rw), ranges, device))
+            out = tuple(groups)
+    elif len(fw) > 1:
+        # segmented walks (all of about one length): two groups, the first half of the chunk table and the second,
+        # so that the first half's gradients fill the SMs the walks' last wave leaves idle
+        total = sum(count for _, count, _, _ in fw)
+        firsts, acc = set(), 0
+        for first, count, _, _ in sorted(fw):
+            if acc + count / 2 > total / 2:
+                break
+            firsts.add(first)
+            acc += count
+        if 0 < len(firsts) < len(fw):
+            groups = []
+            for late in (False, True):
+                mine = lambda rows: [r for r in rows if (r[0] in firsts) != late]  # noqa: E731
                 ranges = coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(mine(fw))])
                 groups.append(WalkGroup(mine(fw), mine(rw), ranges, device))
             out = tuple(groups)
@@ -613,16 +632,22 @@ class PreparedBackward:
             f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
 
-        def fwd_chain():
+        def fwd_folds():  # the segments' incoming states (segmented walks only)
             if st.num_sum_f:
                 mod.bwd_fwd_summary(prep, chunks, st.fsum, m, e, st.summary_warps)
                 mod.merge_fold(m, e, st.fchains, sin, ffold)
-            mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h, st.walk_warps)
 
-        def rev_chain():
+        def rev_folds():  # the segments' outgoing state gradients
             if st.num_sum_r:
                 mod.bwd_rev_summary(do, prep, chunks, st.rsum, mt, f, st.summary_warps)
                 mod.merge_fold(mt, f, st.rchains, dso, rfold)
+
+        def fwd_chain():
+            fwd_folds()
+            mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h, st.walk_warps)
+
+        def rev_chain():
+            rev_folds()
             mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh, st.walk_warps)
 
         groups = _walk_groups(self.plan, H, self.dev) if _pipeline() else None
@@ -631,6 +656,8 @@ class PreparedBackward:
             mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale,
                           _grads_warps())
             return grads
+        if st.num_sum_f or st.num_sum_r:  # segmented: every segment's state before any walk
+            _both_walks(rev_folds, fwd_folds, self.dev)
 
         def launch_walks(grp, which):
             if which == "rev":

@@ -275,6 +275,22 @@ def test_walk_groups_bitwise(monkeypatch):
     print("walk groups 2, 3, 4: bitwise equal to the unpipelined backward")
 
 
+def test_segment_halves_bitwise(monkeypatch):
+    """Segmented walks (3-chunk segments, summaries and folds both ways) pipelined in two halves of the chunk table,
+    each half's gradients once its walks end, against the unpipelined backward (KDA_KCP_BWD_PIPELINE=0): every
+    gradient bitwise equal, with incoming states and outgoing gradients."""
+    inputs, do, plan, sin, dso = _walk_case(SEED + 31, "3", monkeypatch)
+    assert len(cb._walk_groups(plan, 4, DEV)) == 2
+    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
+    plain = run_bwd(inputs, do, plan, sin, dso)
+    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "1")
+    got = run_bwd(inputs, do, plan, sin, dso)
+    for name, a, b in zip(NAMES, got, plain):
+        assert torch.isfinite(a.float()).all(), name
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: segment halves != unpipelined"
+    print("segmented walks in two halves: bitwise equal to the unpipelined backward")
+
+
 def test_summaries_match_torch_backend():
     gen = torch.Generator().manual_seed(SEED + 17)
     cu = [0, 900, 1000, 3000]
