@@ -8,7 +8,8 @@ Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writ
 per (run, head) (one 8-warp CTA of all 128 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
 walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries (the two walks,
 with their summaries and folds, run on two streams: ``_both_walks``; whole-run walks of unlike lengths run in
-up to 4 walk groups, each group's gradients starting when its own walks end: ``_walk_groups``); a gradient
+up to 4 walk groups, segmented walks in two halves of the chunk table, each group's gradients starting when its
+own walks end: ``_walk_groups``); a gradient
 kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as bf16
 hi + lo, in the walks' register order (``hi_state_shape``, ``hi_states``, ``split_state_shape``,
 ``split_states``). Because the forward walk overwrites U,
@@ -75,9 +76,9 @@ def _both_walks(rev_chain, fwd_chain, device) -> None:
     reverse walk reads the records' W, Kg, Qg, Aqk, gamma and writes dV_new and dh, the forward walk reads
     W, Kg, U, gamma and writes V_new (over U) and h. Each kernel's result is the same whatever the overlap,
     so the backward stays bitwise repeatable. A CTA of each does not fit on one SM (shared memory): the
-    overlap is between the segmented chains' summaries, folds and walks (bwd at H = 4: -0.21 ms). Whole-run
-    walks of runs of unequal lengths go through ``_pipelined_walks_and_grads`` instead; run together, the two
-    walks are bound by DRAM bandwidth even when a CTA of each fits on one SM (NOTES.md, sessions 6 and 9)."""
+    overlap is between the segmented chains' summaries and folds (bwd at H = 4: -0.21 ms with the walks too).
+    The walks themselves go through ``_pipelined_walks_and_grads`` when there are walk groups; run together, the
+    two walks are bound by DRAM bandwidth even when a CTA of each fits on one SM (NOTES.md, sessions 6 and 9)."""
     if torch.device(device).type != "cuda" or not _walk_streams():  # (the CPU emulation of the kernels)
         rev_chain()
         fwd_chain()
