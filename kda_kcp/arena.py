@@ -52,13 +52,12 @@ class Arena:
         self._views = {} if views is None else views
 
     def _typed(self, dtype: torch.dtype):
-        """(the buffer viewed as ``dtype``, its storage offset in elements), or None where the buffer's
-        bytes do not divide into ``dtype`` (a caller's odd-sized or odd-offset buffer): carve by slicing."""
+        """(the buffer's whole ``dtype`` elements viewed as ``dtype``, that view's storage offset in elements).
+        Every carve ends on an ALIGN boundary inside the buffer, so it lies inside the view."""
         if dtype not in self._views:
             b = self.buffer
-            ok = b.numel() % dtype.itemsize == 0 and b.storage_offset() % dtype.itemsize == 0
-            v = b.view(dtype) if ok else None
-            self._views[dtype] = (v, v.storage_offset()) if ok else None
+            v = b[: b.numel() - b.numel() % dtype.itemsize].view(dtype)
+            self._views[dtype] = (v, v.storage_offset())
         return self._views[dtype]
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -72,13 +71,8 @@ class Arena:
                 f"workspace too small for {self.what}: needs at least {end} bytes of arena, has "
                 f"{self.buffer.numel()}; size it with kda_workspace_bytes_kcp(ctx, num_heads, ...) for this context"
             )
-        typed = self._typed(dtype)
-        if typed is not None:  # every carve starts ALIGN-aligned, so its offset is whole elements
-            view, base = typed
-            t = torch.as_strided(view, shape, contiguous_strides(shape), base + self.offset // dtype.itemsize)
-        else:
-            used = math.prod(shape) * dtype.itemsize
-            t = self.buffer[self.offset:self.offset + used].view(dtype).view(shape)
+        view, base = self._typed(dtype)  # the carve starts ALIGN-aligned: its offset is whole elements
+        t = torch.as_strided(view, shape, contiguous_strides(shape), base + self.offset // dtype.itemsize)
         self.offset = end
         self.peak = max(self.peak, end)
         return t

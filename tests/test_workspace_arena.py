@@ -156,8 +156,8 @@ def test_call_need_is_cached_per_knob(monkeypatch):
 
 def test_arena_carves_are_views_of_the_buffer():
     """Each carve is a contiguous view of its own aligned bytes of the workspace, whatever the dtype; the typed
-    views a workspace keeps are reused by the next call's arena; a buffer whose bytes do not divide into a dtype
-    is carved by slicing, at the same offsets."""
+    views a workspace keeps are reused by the next call's arena; a buffer whose size does not divide into a dtype
+    is carved at the same offsets."""
     ws = kda_kcp.WorkspaceKcp.from_buffer(torch.zeros(8192, dtype=torch.uint8))
     for a in (ws.arena(256, 8192, "cpu"), ws.arena(256, 8192, "cpu")):
         x = a.empty((2, 3, 5), torch.float32)

@@ -489,34 +489,26 @@ def _walk_groups(plan, heads: int, device):
     if key in cache:
         return cache[key]
     st = _seg_tables(plan, heads, device)
-    out = None
     fw, rw = st.host["fwalk"], st.host["rwalk"]
-    if not (st.num_sum_f or st.num_sum_r) and fw:
-        runs = group_runs({r[2]: r[1] for r in fw}, _max_walk_groups())
+
+    def group(keep) -> WalkGroup:  # the walk rows `keep` accepts (a segment's rows of both tables go together)
+        f, r = [row for row in fw if keep(row)], [row for row in rw if keep(row)]
+        return WalkGroup(f, r, coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(f)]), device)
+
+    out = None
+    if not (st.num_sum_f or st.num_sum_r) and fw:  # whole runs (rows carry the run id)
+        runs = group_runs({row[2]: row[1] for row in fw}, _max_walk_groups())
         if len(runs) > 1:
-            groups = []
-            for ids in map(set, runs):
-                mine = lambda rows: [r for r in rows if r[2] in ids]  # noqa: E731
-                ranges = coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(mine(fw))])
-                groups.append(WalkGroup(mine(fw), mine(rw), ranges, device))
-            out = tuple(groups)
-    elif len(fw) > 1:
-        # segmented walks (all of about one length): two groups, the first half of the chunk table and the second,
-        # so that the first half's gradients fill the SMs the walks' last wave leaves idle
-        total = sum(count for _, count, _, _ in fw)
-        firsts, acc = set(), 0
+            out = tuple(group(lambda row, ids=frozenset(ids): row[2] in ids) for ids in runs)
+    elif len(fw) > 1:  # segments: the first half of the chunk table (whole segments), then the rest
+        total, acc, firsts = sum(row[1] for row in fw), 0, set()
         for first, count, _, _ in sorted(fw):
             if acc + count / 2 > total / 2:
                 break
             firsts.add(first)
             acc += count
         if 0 < len(firsts) < len(fw):
-            groups = []
-            for late in (False, True):
-                mine = lambda rows: [r for r in rows if (r[0] in firsts) != late]  # noqa: E731
-                ranges = coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(mine(fw))])
-                groups.append(WalkGroup(mine(fw), mine(rw), ranges, device))
-            out = tuple(groups)
+            out = (group(lambda row: row[0] in firsts), group(lambda row: row[0] not in firsts))
     cache[key] = out
     return out
 
