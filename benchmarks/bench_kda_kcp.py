@@ -994,7 +994,18 @@ def main(argv=None):
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(rank_main, args=(args, free_port()), nprocs=args.world, join=True)
+        # free_port() releases its socket before rank 0's rendezvous binds it, so another process can take the port
+        # in between (seen once in ~20 runs on the device machine): the ranks then die at init_process_group, before
+        # any work, and a fresh port is safe to try
+        for attempt in range(3):
+            try:
+                mp.spawn(rank_main, args=(args, free_port()), nprocs=args.world, join=True)
+                return
+            except mp.ProcessRaisedException as exc:
+                if "EADDRINUSE" not in str(exc) or attempt == 2:
+                    raise
+                print(f"rendezvous port taken (EADDRINUSE), retrying with another one ({attempt + 1} of 2)",
+                      flush=True)
 
 
 if __name__ == "__main__":

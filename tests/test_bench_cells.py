@@ -69,3 +69,27 @@ def test_fla_ckpt_after_bwd_oom(bench_mod, policy):
                 continue
             assert v["status"] == "ok" and v["ms"] == 1.0, (op, H, a)
     assert rows[("ckpt", 64)]["speedup"]["det/fla"] is None
+
+
+def test_w2_spawn_retries_a_taken_rendezvous_port(bench_mod, monkeypatch):
+    """W > 1: a rendezvous port taken between free_port() and rank 0's bind (EADDRINUSE at init_process_group, before
+    any work) is retried with a fresh port; any other failure of a rank propagates at once."""
+    import torch.multiprocessing as mp
+
+    calls = []
+
+    def spawn(fn, args, nprocs, join):
+        calls.append(args[1])
+        if len(calls) == 1:
+            raise mp.ProcessRaisedException("DistNetworkError: ... code: -98, name: EADDRINUSE ...", 0, 1)
+
+    monkeypatch.setattr(mp, "spawn", spawn)
+    bench_mod.main(["--world", "2", "--device", "cpu", "--heads", "1"])
+    assert len(calls) == 2 and all(isinstance(p, int) for p in calls)
+
+    def failing(fn, args, nprocs, join):
+        raise mp.ProcessRaisedException("RuntimeError: something else", 1, 2)
+
+    monkeypatch.setattr(mp, "spawn", failing)
+    with pytest.raises(mp.ProcessRaisedException, match="something else"):
+        bench_mod.main(["--world", "2", "--device", "cpu", "--heads", "1"])

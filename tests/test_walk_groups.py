@@ -66,3 +66,22 @@ def test_walk_groups_cap_is_checked(monkeypatch):
     monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", "5")
     with pytest.raises(ValueError, match="KDA_KCP_BWD_WALK_GROUPS"):
         cb._max_walk_groups()
+
+
+def test_segment_choice_credits_the_pipelined_gradients(monkeypatch):
+    """choose_segment_chunks counts the gradient time that whole-run walks hide (_pipelined_gradients). The choices
+    below are the measured best ones on the H200 (NOTES.md, sessions 12, 16 and 18)."""
+    for var in ("KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_PIPELINE", "KDA_KCP_BWD_WALK_GROUPS"):
+        monkeypatch.delenv(var, raising=False)
+    bench = [657, 900, 1143, 1386]  # W = 1: segments at H = 4, whole runs at H = 16 and 64 (unchanged)
+    assert [cb.choose_segment_chunks(bench, H, 132) for H in (4, 16, 64)] == [45, 1386, 1386]
+    # W = 2, H = 16, the rank whose runs were segmented: contiguous rank 1, zigzag rank 1 (whole runs were 1.7 and
+    # 2.1 ms faster than the 66- and 77-chunk segments chosen without the credit)
+    assert cb.choose_segment_chunks([658, 1386], 16, 132) == 1386
+    assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 1143
+    assert cb._pipelined_gradients([10, 10, 9], 16, 132) == 0.0  # one group: nothing runs beside the walks
+    hidden = cb._pipelined_gradients([658, 1386], 16, 132)
+    assert hidden == min(2 * (1386 - 658), cb.GRAD_STEP_COST * 16 * 658 / 132)
+    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")  # no pipeline, nothing hidden: the estimate as before
+    assert cb.choose_segment_chunks([658, 1386], 16, 132) == 66
+    assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 77

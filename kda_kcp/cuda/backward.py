@@ -122,6 +122,9 @@ def _tables(plan, device):
 # ---- segments: runs split into pieces of whole chunks, walked in parallel (affine merge) ----
 SEG_CTA_OVERHEAD = 2.0  # start-up of one walk CTA, in chunk steps
 FOLD_STEP_COST = 1.0  # one fold step, in chunk steps
+# The gradient kernel on one (chunk, head), in the estimate's unit (half a walk step, ~1.6 us on the H200): one
+# 16-warp CTA per SM, 19.5 ms for the 65,344 chunk-heads of H = 16 on 132 SMs is ~39 us (NOTES.md, session 18).
+GRAD_STEP_COST = 25.0
 
 
 def _split(nchunks: int, nseg: int) -> list[int]:
@@ -142,7 +145,9 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
     (non-final segment, head) for a summary, one tile per SM at a time. That is the unit it was calibrated in
     (4-warp walk CTAs of 64 columns); the kernels now run a (segment, head) as one 8-warp CTA of 128 columns,
     and counting such a CTA as one slot chose 66-chunk segments at H = 16, measured 38.4 ms against 32.3 ms
-    for whole runs (NOTES.md, session 15). ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0`` keeps whole runs."""
+    for whole runs (NOTES.md, session 15). Whole runs are credited with the gradient time their pipelined walk groups
+    hide (``_pipelined_gradients``; with ``KDA_KCP_BWD_PIPELINE=1``, the default; the lean path's passes do not
+    pipeline, and use the same choice). ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0`` keeps whole runs."""
     forced = os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", "").strip()
     longest = max(run_chunks, default=1)
     if forced:
@@ -150,6 +155,7 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
         return longest if n <= 0 else n
     best = None
     cands = {longest} | {max(1, math.ceil(longest / n)) for n in range(1, 129)}
+    hidden = _pipelined_gradients(run_chunks, heads, sms) if _pipeline() else 0.0
     for L in sorted(cands, reverse=True):
         if L < 8 and L != longest:
             continue
@@ -160,9 +166,30 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
             summ += parts[:-1]
             steps = max(steps, len(parts) - 1)
         t = 2 * (_pass_time(walk, 2 * heads, sms) + _pass_time(summ, 4 * heads, sms)) + 2 * FOLD_STEP_COST * steps
+        if L >= longest:
+            t -= hidden
         if best is None or t < best[0] - 1e-9:
             best = (t, L)
     return best[1]
+
+
+def _pipelined_gradients(run_chunks: list[int], heads: int, sms: int) -> float:
+    """Gradient time that whole-run walks hide (``_pipelined_walks_and_grads``), in ``choose_segment_chunks``' unit:
+    each walk group but the longest starts its gradients when its own walks end, beside the longer walks, i.e. for
+    up to 2 (longest - its longest run) units; all of them within the first group's window. Segmented walks end
+    together and hide almost none. Without it the estimate chose 66- and 77-chunk segments for one rank's runs
+    at W = 2, H = 16 (contiguous [658, 1386], zigzag [536, 1143, 365] chunks), measured 1.7 and 2.1 ms slower
+    than whole runs (NOTES.md, session 18)."""
+    lengths = dict(enumerate(run_chunks))
+    groups = group_runs(lengths, _max_walk_groups())
+    if len(groups) < 2:
+        return 0.0
+    longest = max(run_chunks)
+    hidden = 0.0
+    for ids in groups[:-1]:
+        window = 2 * (longest - max(lengths[r] for r in ids))
+        hidden += min(window, GRAD_STEP_COST * heads * sum(lengths[r] for r in ids) / sms)
+    return min(hidden, 2 * (longest - max(lengths[r] for r in groups[0])))
 
 
 # SMs a (row, head) of a launch takes at 4 warps per CTA (``walk_warps``' demand): a reverse walk is 2 CTAs of
@@ -244,7 +271,7 @@ class SegTables:
 
 def _seg_tables(plan, heads: int, device) -> SegTables:
     key = ("cuda_bwd_segments", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""),
-           os.environ.get("KDA_KCP_BWD_WALK_WARPS", ""))
+           os.environ.get("KDA_KCP_BWD_WALK_WARPS", ""), _pipeline(), _max_walk_groups())
     cache = plan._tables
     if key not in cache:
         cache[key] = SegTables(plan, heads, device)
