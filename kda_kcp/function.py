@@ -90,7 +90,8 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
 
 
 # knobs that change the CUDA backend's tables, hence its carves (each A/B tool's cache key names them too)
-_TABLE_ENV = ("KDA_KCP_SEG_CHUNKS", "KDA_KCP_FWD_WARPS", "KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_WALK_WARPS")
+_TABLE_ENV = ("KDA_KCP_SEG_CHUNKS", "KDA_KCP_FWD_WARPS", "KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_WALK_WARPS",
+              "KDA_KCP_BWD_PIPELINE", "KDA_KCP_BWD_WALK_GROUPS")  # the last two: the backward's segment choice
 
 
 def _workspace_need(ctx, H, backend, device, K, V, dt, passes) -> int:

@@ -154,6 +154,22 @@ def test_call_need_is_cached_per_knob(monkeypatch):
         function.forward_kcp(q, k, v, g, beta, ctx, None, True, small)
 
 
+def test_call_need_follows_the_pipeline_flag(monkeypatch):
+    """The backward's segment choice credits the pipelined gradients only with KDA_KCP_BWD_PIPELINE=1, so the flag
+    changes the tables (here, runs of 658 and 1,386 chunks at H = 16: whole runs or 66-chunk segments) and is part of
+    the cached need's key."""
+    backend = _fake_cuda(monkeypatch)
+    monkeypatch.delenv("KDA_KCP_BWD_SEG_CHUNKS")
+    ctx = kda_kcp.build_context_kcp(offsets([658 * 64, 1386 * 64]))
+    needs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", flag)
+        fresh = kda_kcp.workspace.workspace_bytes(ctx, 16, backend, "cpu")
+        needs[flag] = function._workspace_need(ctx, 16, backend, "cpu", 128, 128, torch.float32, None)
+        assert needs[flag] == fresh
+    assert needs["1"] != needs["0"]
+
+
 def test_arena_carves_are_views_of_the_buffer():
     """Each carve is a contiguous view of its own aligned bytes of the workspace, whatever the dtype; the typed
     views a workspace keeps are reused by the next call's arena; a buffer whose size does not divide into a dtype

@@ -269,9 +269,16 @@ class SegTables:
         self.summary_warps = walk_warps(SUMMARY_SMS * len(fsum) * heads, sms)
 
 
+def _seg_knobs() -> tuple:
+    """The knobs the segment tables depend on: the forced length, the walk width, and (through the pipelined
+    gradients' credit in ``choose_segment_chunks``) the pipeline flag and the group cap. Every cache built from
+    the segment tables keys on them."""
+    return (os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""), os.environ.get("KDA_KCP_BWD_WALK_WARPS", ""), _pipeline(),
+            _max_walk_groups())
+
+
 def _seg_tables(plan, heads: int, device) -> SegTables:
-    key = ("cuda_bwd_segments", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""),
-           os.environ.get("KDA_KCP_BWD_WALK_WARPS", ""), _pipeline(), _max_walk_groups())
+    key = ("cuda_bwd_segments", heads, str(torch.device(device))) + _seg_knobs()
     cache = plan._tables
     if key not in cache:
         cache[key] = SegTables(plan, heads, device)
@@ -294,7 +301,7 @@ def _lean_passes(plan, heads: int, device, passes: int) -> list[LeanPass]:
     """The segments of the backward's walks assigned to ``passes`` passes, longest first to the pass with
     the fewest chunks so far (a pure function of the segment table): each pass holds whole segments, so
     every kernel sees exactly the chunks and states it sees in one pass, and results are bitwise equal."""
-    key = ("cuda_bwd_lean", heads, str(torch.device(device)), passes, os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""))
+    key = ("cuda_bwd_lean", heads, str(torch.device(device)), passes) + _seg_knobs()
     cache = plan._tables
     if key in cache:
         return cache[key]
@@ -510,8 +517,7 @@ def _walk_groups(plan, heads: int, device):
     and the second half of the chunk table, so that one half's gradients fill the SMs the walks' last wave leaves.
     Every kernel sees the same rows and chunks as unpipelined, so the results are bitwise equal. A pure function of
     the plan (cached)."""
-    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device)), os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""),
-           _max_walk_groups())
+    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device))) + _seg_knobs()
     cache = plan._tables
     if key in cache:
         return cache[key]
