@@ -14,7 +14,6 @@ uses the exchange part only. ``local_arena_bytes`` mirrors the carves below, whi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -89,16 +88,11 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
     return backend, scale
 
 
-# knobs that change the CUDA backend's tables, hence its carves (each A/B tool's cache key names them too)
-_TABLE_ENV = ("KDA_KCP_SEG_CHUNKS", "KDA_KCP_FWD_WARPS", "KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_WALK_WARPS",
-              "KDA_KCP_BWD_PIPELINE", "KDA_KCP_BWD_WALK_GROUPS")  # the last two: the backward's segment choice
-
-
 def _workspace_need(ctx, H, backend, device, K, V, dt, passes) -> int:
     """``workspace_bytes`` of one call, cached in the context's local plan: summing the carves walks every table
-    of the call (~100 us of host time before the first kernel could start), and it is a pure function of the key."""
-    key = ("workspace_bytes", H, backend.name, str(device), K, V, dt, passes,
-           tuple(os.environ.get(n, "") for n in _TABLE_ENV))
+    of the call (~100 us of host time before the first kernel could start), and it is a pure function of the key
+    (the backend names the knobs its tables depend on)."""
+    key = ("workspace_bytes", H, backend.name, str(device), K, V, dt, passes, backend.table_knobs())
     cache = ctx.local._tables
     if key not in cache:
         cache[key] = workspace_bytes(ctx, H, backend, device, K, V, dt, passes)

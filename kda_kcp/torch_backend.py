@@ -82,6 +82,9 @@ class TorchBackend:
     def arena_bytes(self, part: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
         return 0
 
+    def table_knobs(self) -> tuple:
+        return ()  # no tables, no carves
+
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
         return None  # its gather indices are built at the first call
 

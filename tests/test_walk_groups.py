@@ -82,6 +82,8 @@ def test_segment_choice_credits_the_pipelined_gradients(monkeypatch):
     assert cb._pipelined_gradients([10, 10, 9], 16, 132) == 0.0  # one group: nothing runs beside the walks
     hidden = cb._pipelined_gradients([658, 1386], 16, 132)
     assert hidden == min(2 * (1386 - 658), cb.GRAD_STEP_COST * 16 * 658 / 132)
+    # an empty run has no walk, hence no group: it neither adds time nor widens the first group's window
+    assert cb._pipelined_gradients([0, 300, 658, 1386, 0], 16, 132) == cb._pipelined_gradients([300, 658, 1386], 16, 132)
     monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")  # no pipeline, nothing hidden: the estimate as before
     assert cb.choose_segment_chunks([658, 1386], 16, 132) == 66
     assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 77

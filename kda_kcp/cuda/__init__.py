@@ -58,6 +58,11 @@ class CudaBackend:
     def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None) -> backward.PreparedBackward:
         return backward.PreparedBackward(q, k, v, g, beta, do, scale, plan, arena, passes)
 
+    def table_knobs(self) -> tuple:
+        """The environment knobs this backend's tables depend on (the forward's and the backward's): a cache of
+        anything computed from the tables, such as a call's workspace need, keys on them."""
+        return forward.table_knobs() + backward.table_knobs()
+
     def arena_bytes(self, part: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
         """Arena bytes one part of a prepared call carves: "fwd_records" (made by fwd_prepare), then
         "fwd_summaries" or "fwd_output"; "bwd_records" (made by bwd_prepare), then "bwd_summaries" or

@@ -32,7 +32,7 @@ from ..arena import Arena, tensor_bytes
 from ..partition import coalesce_ranges
 from .common import _D, _c, check_tensors, sm_count, state_bytes
 
-__all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
+__all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
            "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load"]
 
 PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
@@ -180,7 +180,7 @@ def _pipelined_gradients(run_chunks: list[int], heads: int, sms: int) -> float:
     together and hide almost none. Without it the estimate chose 66- and 77-chunk segments for one rank's runs
     at W = 2, H = 16 (contiguous [658, 1386], zigzag [536, 1143, 365] chunks), measured 1.7 and 2.1 ms slower
     than whole runs (NOTES.md, session 18)."""
-    lengths = dict(enumerate(run_chunks))
+    lengths = {r: c for r, c in enumerate(run_chunks) if c > 0}  # an empty run has no walk, so no group
     groups = group_runs(lengths, _max_walk_groups())
     if len(groups) < 2:
         return 0.0
@@ -269,7 +269,7 @@ class SegTables:
         self.summary_warps = walk_warps(SUMMARY_SMS * len(fsum) * heads, sms)
 
 
-def _seg_knobs() -> tuple:
+def table_knobs() -> tuple:
     """The knobs the segment tables depend on: the forced length, the walk width, and (through the pipelined
     gradients' credit in ``choose_segment_chunks``) the pipeline flag and the group cap. Every cache built from
     the segment tables keys on them."""
@@ -278,7 +278,7 @@ def _seg_knobs() -> tuple:
 
 
 def _seg_tables(plan, heads: int, device) -> SegTables:
-    key = ("cuda_bwd_segments", heads, str(torch.device(device))) + _seg_knobs()
+    key = ("cuda_bwd_segments", heads, str(torch.device(device))) + table_knobs()
     cache = plan._tables
     if key not in cache:
         cache[key] = SegTables(plan, heads, device)
@@ -301,7 +301,7 @@ def _lean_passes(plan, heads: int, device, passes: int) -> list[LeanPass]:
     """The segments of the backward's walks assigned to ``passes`` passes, longest first to the pass with
     the fewest chunks so far (a pure function of the segment table): each pass holds whole segments, so
     every kernel sees exactly the chunks and states it sees in one pass, and results are bitwise equal."""
-    key = ("cuda_bwd_lean", heads, str(torch.device(device)), passes) + _seg_knobs()
+    key = ("cuda_bwd_lean", heads, str(torch.device(device)), passes) + table_knobs()
     cache = plan._tables
     if key in cache:
         return cache[key]
@@ -517,7 +517,7 @@ def _walk_groups(plan, heads: int, device):
     and the second half of the chunk table, so that one half's gradients fill the SMs the walks' last wave leaves.
     Every kernel sees the same rows and chunks as unpipelined, so the results are bitwise equal. A pure function of
     the plan (cached)."""
-    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device))) + _seg_knobs()
+    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device))) + table_knobs()
     cache = plan._tables
     if key in cache:
         return cache[key]

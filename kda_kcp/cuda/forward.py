@@ -25,7 +25,7 @@ import torch
 from ..arena import Arena, tensor_bytes
 from .common import _D, _c, check_tensors, sm_count, state_bytes
 
-__all__ = ["load", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
+__all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
            "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
            "model_time"]
 
@@ -47,6 +47,11 @@ def _warps() -> int:
     if w not in (2, 4, 8):
         raise ValueError(f"KDA_KCP_FWD_WARPS must be 2, 4 or 8, got {w}")
     return w
+
+
+def table_knobs() -> tuple:
+    """The knobs the forward's tables (hence its carves) depend on: the forced segment length and the walk width."""
+    return (os.environ.get("KDA_KCP_SEG_CHUNKS", ""), _warps())
 
 
 def _split(nchunks: int, nseg: int) -> list[int]:
@@ -150,8 +155,7 @@ def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = Non
     runs = plan.runs
     ids = tuple(int(r) for r in run_ids) if summaries_only else tuple(range(len(runs)))
     warps = _warps()
-    key = ("cuda_forward", ids, summaries_only, heads, str(device), sms, warps,
-           os.environ.get("KDA_KCP_SEG_CHUNKS", ""))
+    key = ("cuda_forward", ids, summaries_only, heads, str(device), sms) + table_knobs()
     cache = plan._tables
     if key in cache:
         return cache[key]
