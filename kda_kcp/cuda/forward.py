@@ -60,13 +60,20 @@ def _split(nchunks: int, nseg: int) -> list[int]:
 
 
 def _pass_steps(lengths: list[int], ctas_per_seg: int, step: float, slots: int) -> float:
-    """List-scheduling estimate (in output steps) of one pass of CTAs, `slots` resident at a time."""
+    """Estimate (in output steps) of one pass of CTAs, `slots` resident at a time. When every CTA is resident from
+    the start nothing waits for a slot, and the longest CTA sets the time: at the lone step with one CTA per SM,
+    at the shared step otherwise (some SMs hold one, but the block scheduler doubles up the SMs of the first CTAs,
+    so the longest runs' CTAs mostly share). Past that, the list-scheduling bound."""
     if not lengths:
         return 0.0
-    if len(lengths) * ctas_per_seg <= slots // CTAS_PER_SM:  # one CTA per SM: the longest alone sets the time
-        return (max(lengths) + CTA_START) * step * LONE_STEP
+    n = len(lengths) * ctas_per_seg
+    longest = (max(lengths) + CTA_START) * step
+    if n <= slots // CTAS_PER_SM:  # one CTA per SM: the longest alone sets the time
+        return longest * LONE_STEP
+    if n <= slots:  # all resident at once (session 18: the bound priced 256 whole-run CTAs on 264 slots at 1.7x)
+        return longest
     work = sum(length + CTA_START for length in lengths) * ctas_per_seg * step
-    return work / slots + (max(lengths) + CTA_START) * step * (1.0 - 1.0 / slots)
+    return work / slots + longest * (1.0 - 1.0 / slots)
 
 
 def model_time(run_chunks: list[int], heads: int, sms: int, L: int, warps: int = 4) -> float:
