@@ -448,6 +448,34 @@ def test_pipelined_segmented_backward_is_bitwise_the_plain_one(emu, monkeypatch)
     _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
 
 
+def test_pipelined_forward_is_bitwise_the_plain_one(emu, monkeypatch):
+    """Whole-run output walks of runs of 2, 4 and 1 chunks in run groups (one SM, so a group closes at 4
+    chunk-heads): the run of 4 first, then runs 0 and 2 (two chunk ranges, so the prep runs on views of the chunk
+    rows and the records). The forward prepped and walked group by group gives the unpipelined o bit for bit, from
+    given incoming states."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "1000")  # whole runs
+    monkeypatch.setattr(forward, "sm_count", lambda device: 1)
+    cu = [0, 70, 300, 330]
+    plan, inputs, _, sin, _ = _case(cu, 1, 13)
+    groups = forward.run_group_tables(plan, 1, "cpu")
+    assert [grp.ranges for grp in groups] == [[(2, 6)], [(0, 2), (6, 7)]]
+    got = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("KDA_KCP_FWD_PIPELINE", flag)
+        prepared = forward.PreparedForward(*inputs, SCALE, plan)
+        assert (prepared.groups is None) == (flag == "0")
+        got[flag] = prepared.output(sin)
+    assert torch.equal(got["1"], got["0"]), "the pipelined forward differs"
+    assert got["1"].float().abs().sum() > 0
+    # the KCP summaries read every record first: the groups' preps are made at once, then a plain output walk
+    monkeypatch.setenv("KDA_KCP_FWD_PIPELINE", "1")
+    prepared = forward.PreparedForward(*inputs, SCALE, plan)
+    prepared.summaries((0,))
+    assert prepared.groups is None
+    assert torch.equal(prepared.output(sin), got["0"])
+
+
 def _emulated_kcp(rank, world, lib_path):
     """One rank of a W = 2 KCP step over gloo through kda_kcp.cuda with the emulated kernels (the KCP
     summaries, their composition and both exchanges included), every layout, against the FP64 oracle."""

@@ -8,6 +8,10 @@
                   (csrc/kda_affine_merge.cuh)
     walk_output   one CTA per (segment, head, 16 NW value columns): o from each segment's S_in
 
+Whole-run forwards whose walk CTAs outnumber the SMs prep and walk by run group, longest runs first, each group's
+walk on a side stream once its own records are made (``run_group_tables``; ``KDA_KCP_FWD_PIPELINE=0`` turns it
+off); o is bitwise the same either way.
+
 ``fwd_output`` and ``fwd_summaries`` keep the contract of ``kda_kcp.cuda.CudaBackend``. The segment length
 is a pure function of (run lengths, H, SM count) (``choose_segment_chunks``), so results are bitwise
 repeatable on one GPU model. ``KDA_KCP_SEG_CHUNKS=n`` forces n chunks per segment, ``KDA_KCP_FWD_WARPS``
@@ -23,11 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from ..arena import Arena, tensor_bytes
+from ..partition import coalesce_ranges
 from .common import _D, _c, check_tensors, sm_count, state_bytes
 
 __all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
            "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
-           "model_time"]
+           "model_time", "run_groups", "run_group_tables"]
 
 CHUNK = 64
 RECORD_BYTES = 70144  # kda::kStagedRecordBytes
@@ -124,6 +129,7 @@ class ForwardTables:
     num_sin: int
     num_summary: int
     seg_chunks: int
+    out_rows: tuple = ()  # the rows of ``out`` on the host
 
 
 def _segments(run, first_chunk: int, L: int):
@@ -198,9 +204,89 @@ def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = Non
     def t(rows, cols):
         return torch.tensor(rows, dtype=torch.int32).reshape(-1, cols).to(device)
 
-    tabs = ForwardTables(chunks, t(out, 8), t(summ, 8), t(chains, 4), nchunks, nsin, len(summ), L)
+    tabs = ForwardTables(chunks, t(out, 8), t(summ, 8), t(chains, 4), nchunks, nsin, len(summ), L, tuple(out))
     cache[key] = tabs
     return tabs
+
+
+# ---- the prep and the output walk by run group (whole-run walks) ----
+MAX_RUN_GROUPS = 4
+PREP_CTAS_PER_SM = 2  # prep CTAs resident per SM (101.75 KB of shared memory, 256 threads)
+GROUP_PREP_WAVES = 2  # a group (but the last) preps at least this many waves of prep CTAs
+LAST_FRACTION = 0.75  # pipelined only if the last group's longest run is at most this fraction of the first's
+
+
+def _pipeline() -> bool:
+    """Whether a whole-run forward preps and walks by run group (``KDA_KCP_FWD_PIPELINE``: 1, the default, or 0)."""
+    v = os.environ.get("KDA_KCP_FWD_PIPELINE", "").strip() or "1"
+    if v not in ("0", "1"):
+        raise ValueError(f"KDA_KCP_FWD_PIPELINE must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+def run_groups(lengths: dict, heads: int, sms: int) -> list:
+    """Run ids (``lengths``: run id -> chunks) in groups, the longest runs first: a group is closed once it holds
+    GROUP_PREP_WAVES waves of prep CTAs (chunk-heads), at most MAX_RUN_GROUPS groups (the last takes the rest)."""
+    least = GROUP_PREP_WAVES * PREP_CTAS_PER_SM * sms
+    groups, work = [], 0
+    for r in sorted(lengths, key=lambda r: (-lengths[r], r)):
+        if not groups or (work >= least and len(groups) < MAX_RUN_GROUPS):
+            groups.append([])
+            work = 0
+        groups[-1].append(r)
+        work += lengths[r] * heads
+    return groups
+
+
+class RunGroup:
+    """Runs whose prep and output walk go together: their chunk ranges [c0, c1) of the plan's chunk table
+    (consecutive runs merged) and their rows of the output-walk table."""
+
+    def __init__(self, ranges, out, device):
+        self.ranges = ranges
+        self.out = torch.tensor(out, dtype=torch.int32).reshape(-1, 8).to(device)
+
+
+def run_group_tables(plan, heads: int, device, sms: int | None = None):
+    """The RunGroups of a whole-run forward, longest runs first, or None (segments, one group, or the pipeline
+    off). Why: the output walk of a run needs only that run's records, and a whole run's walk is serial in its
+    chunks, so the longest run's walk (the forward's critical path at H >= 16) can start once its own records
+    are made, while the prep of the shorter runs goes on beside it. A pure function of the plan (cached)."""
+    device = torch.device(device)
+    key = ("cuda_forward_groups", heads, str(device), sms, _pipeline()) + table_knobs()
+    cache = plan._tables
+    if key in cache:
+        return cache[key]
+    tabs = forward_tables(plan, heads, device, sms=sms)
+    out = None
+    if _pipeline() and tabs.num_summary == 0 and tabs.out_rows:
+        nsm = sms if sms is not None else sm_count(device)
+        rows = {row[3]: row for row in tabs.out_rows}  # whole runs: one row per run, idx = the run id
+        lengths = {r: row[5] for r, row in rows.items()}
+        ids = run_groups(lengths, heads, nsm)
+        # Preps and walks that run at once slow each other (a walk step ~1.35x, the prep on those SMs ~2x; NOTES.md
+        # session 19), so the pipeline pays only where the plain walk leaves room: when its CTAs outnumber the SMs
+        # (the shorter runs' walks wait for slots; benchmark batch, H = 64: fwd 30.5 against 31.8 ms; at H = 16,
+        # one CTA per SM: 9.7 against 9.2 ms), and when the last group's walk, which starts after every prep, is
+        # clearly shorter than the first's (4 documents of 1,021 chunks at H = 16: 10.44 against 8.10 ms).
+        ctas = len(tabs.out_rows) * heads * (_D // (16 * _warps()))
+        if (len(ids) > 1 and ctas > nsm
+                and max(lengths[r] for r in ids[-1]) <= LAST_FRACTION * max(lengths[r] for r in ids[0])):
+            out = tuple(RunGroup(coalesce_ranges(sorted((rows[r][2], rows[r][2] + rows[r][5]) for r in grp)),
+                                 [row for row in tabs.out_rows if row[3] in grp], device) for grp in ids)
+    cache[key] = out
+    return out
+
+
+_GROUP_STREAMS: dict = {}
+
+
+def _group_streams(device, n: int) -> list:
+    main = torch.cuda.current_stream(device)
+    pool = _GROUP_STREAMS.setdefault(main.device, [])
+    while len(pool) < n:
+        pool.append(torch.cuda.Stream(device=main.device))
+    return pool[:n]
 
 
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
@@ -265,14 +351,31 @@ class PreparedForward:
         self.mod = load(self.dev) if plan.num_runs else None
         self.none = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
         self.ws = None
+        self.groups = None  # run groups whose records are made by ``output``, each before its own walk
         if self.q.shape[0] and plan.num_runs and self.tabs.num_chunks:
             self.ws = self.arena.empty((self.tabs.num_chunks * self.H * RECORD_BYTES,), torch.uint8)
-            self.mod.fwd_prep(self.q, self.k, self.g, self.beta, self.tabs.chunks, self.ws, self.scale)
+            self.groups = run_group_tables(plan, self.H, self.dev)
+            if self.groups is None:
+                self._prep(((0, self.tabs.num_chunks),))
+
+    def _prep(self, ranges) -> None:
+        """Records of the chunk ranges [c0, c1) of the plan's chunk table (views of the table and the records)."""
+        rec = self.H * RECORD_BYTES
+        for c0, c1 in ranges:
+            self.mod.fwd_prep(self.q, self.k, self.g, self.beta, self.tabs.chunks[c0:c1], self.ws[c0 * rec:c1 * rec],
+                              self.scale)
+
+    def _prep_rest(self) -> None:
+        """The records ``output`` would have made group by group, all now (the KCP summaries read them first)."""
+        if self.groups is not None:
+            self.groups = None
+            self._prep(((0, self.tabs.num_chunks),))
 
     def summaries(self, run_ids):
         """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E)."""
         H, arena = self.H, self.arena
         run_ids = tuple(int(r) for r in run_ids)
+        self._prep_rest()
         M = arena.empty(_state_shape(len(run_ids), H), torch.float32)
         E = arena.empty(_state_shape(len(run_ids), H), torch.float32)
         if not run_ids:
@@ -310,8 +413,37 @@ class PreparedForward:
             self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, warps)
             seg_states = arena.empty(_state_shape(tabs.num_sin, H), torch.float32)
             self.mod.merge_fold(m, e, tabs.chains, sin_t, seg_states)
+        if self.groups is not None:
+            self._pipelined_output(sin_t, o, warps)
+            return o
         self.mod.fwd_walk_output(self.v, self.ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
         return o
+
+    def _pipelined_output(self, sin_t, o, warps) -> None:
+        """Each run group's prep on the current stream, longest runs first, and its output walk on a side stream
+        of its own once its records are made, beside the next groups' preps; joined at the end. Every CTA
+        computes what it does unpipelined, so o is bitwise the same. On the CPU (the emulated kernels) the same
+        launches run in order."""
+        groups, self.groups = self.groups, None
+        chunks = self.tabs.chunks
+
+        def walk(grp):
+            self.mod.fwd_walk_output(self.v, self.ws, chunks, grp.out, sin_t, self.none, o, warps)
+
+        if self.dev.type != "cuda":
+            for grp in groups:
+                self._prep(grp.ranges)
+                walk(grp)
+            return
+        main = torch.cuda.current_stream(self.dev)
+        streams = _group_streams(self.dev, len(groups))
+        for grp, side in zip(groups, streams):
+            self._prep(grp.ranges)
+            side.wait_stream(main)  # this group's records (and o, the tables, the incoming states)
+            with torch.cuda.stream(side):
+                walk(grp)
+        for side in streams:
+            main.wait_stream(side)  # o and the records are used (or freed) on main only after this
 
 
 def fwd_output(q, k, v, g, beta, scale, plan, state_in=None, arena=None):

@@ -112,6 +112,33 @@ def test_bitwise_repeat_and_two_processes():
     assert out.stdout.strip().splitlines()[-1] == digest
 
 
+def test_pipelined_forward_bitwise(monkeypatch):
+    """Whole-run walks of four documents at H = 64 (512 walk CTAs) in four run groups (each group's prep, then its
+    walk on a side stream beside the next groups' preps): o bitwise equal to the unpipelined forward's, from
+    incoming states."""
+    from kda_kcp.cuda.forward import PreparedForward, run_group_tables
+
+    gen = torch.Generator().manual_seed(SEED + 17)
+    cu = [0, 3000, 23000, 28000, 37000]  # 47, 313, 79, 141 chunks
+    H = 64
+    inputs = make_inputs(cu[-1], H, gen, gate="mixed")
+    plan = local_plan(cu)
+    sin = (0.1 * torch.randn(plan.num_runs, H, 128, 128, generator=gen)).to(DEV)
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "100000")
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("KDA_KCP_FWD_PIPELINE", flag)
+        groups = run_group_tables(plan, H, DEV)
+        if flag == "1":
+            assert groups is not None and len(groups) == 4, "expected one run group per document"
+        else:
+            assert groups is None
+        outs[flag] = PreparedForward(*inputs, 128**-0.5, plan).output(sin)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs["1"].float()).all()
+    assert torch.equal(outs["1"].view(torch.int16), outs["0"].view(torch.int16)), "the pipelined forward differs"
+
+
 def _fold(sources, H):
     S = torch.zeros(H, 128, 128, dtype=torch.float64, device=DEV)
     for m, e in sources:
