@@ -55,8 +55,14 @@ def local_arena_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128,
                       passes: int | None = None) -> int:
     """Arena bytes of the larger of a forward and a backward call of this context on ``backend``
     (``passes``: the lean backward's pass count, None for the replay arena)."""
+    return max(arena_parts(ctx, num_heads, backend, device, head_dim, value_dim, passes))
+
+
+def arena_parts(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None,
+                passes: int | None = None) -> tuple[int, int]:
+    """(forward, backward) arena bytes of one call of this context on ``backend``: the peak of its carves."""
     if backend.name != "cuda":
-        return 0
+        return 0, 0
     H, K, V = num_heads, head_dim, value_dim or head_dim
     plan, local = ctx.plan, ctx.local
 
@@ -68,13 +74,16 @@ def local_arena_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128,
         tmp = tensor_bytes((H, K, V), torch.float32)
         state = tensor_bytes((local.num_runs, H, K, V), torch.float32)
         # records; then the summaries, the merge's product and the local pass, each from the same base
-        fwd = part("fwd_records") + max(part("fwd_summaries", plan.fwd_publish[ctx.rank]), tmp, fwd_local)
+        # (with an early pass, its carves first, live to the end: then the late pass's in place of the local pass's)
+        summ = part("fwd_summaries", plan.fwd_publish[ctx.rank])
+        early, late = part("fwd_output_early"), part("fwd_output_late")
+        fwd = part("fwd_records") + max(summ, tmp, fwd_local, early + max(summ, tmp, late))
         # records, dstate_out (lives to the end); then the summaries, the merge's product, the gradients
         bwd = part("bwd_records") + state + max(part("bwd_summaries", plan.bwd_publish[ctx.rank]), tmp, bwd_local)
     else:
         fwd = part("fwd_records") + fwd_local
         bwd = part("bwd_records") + bwd_local
-    return max(fwd, bwd)
+    return fwd, bwd
 
 
 def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
@@ -121,10 +130,13 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     return xbuf, arena
 
 
-def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf, arena, out):
+def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf, arena, out, after_summaries=None):
     """This rank's summaries of the runs it publishes -> one all-gather -> the fixed-order fold into
     every local run: incoming states (forward) or outgoing state gradients (backward), written to ``out``
-    [R, H, K, V]. With an arena nothing here allocates."""
+    [R, H, K, V]. ``after_summaries`` (optional) is called once the all-gather is enqueued, with a CUDA event
+    recorded after this rank's summaries and before the all-gather (None off CUDA): what it launches on a side
+    stream then waits for the summaries but not for the other ranks, and goes after the collective in launch order.
+    With an arena nothing here allocates."""
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     ids = publish[ctx.rank]
     base = arena.mark() if arena is not None else 0
@@ -134,7 +146,13 @@ def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf,
         maps, offsets = arena.empty((0, H, K, K), dt), arena.empty((0, H, K, V), dt)
     else:
         maps, offsets = q.new_zeros(0, H, K, K, dtype=dt), q.new_zeros(0, H, K, V, dtype=dt)
+    ready = None
+    if after_summaries is not None and q.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
     maps, offsets = gather_summaries(maps.to(dt), offsets.to(dt), slots, ctx.world_size, ctx.group, xbuf)
+    if after_summaries is not None:
+        after_summaries(ready)
     tmp = None
     if arena is not None:
         arena.release(base)  # this rank's summaries are in the exchange buffer now
@@ -143,6 +161,12 @@ def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf,
     if arena is not None:
         arena.release(base)
     return out
+
+
+def _in_backward() -> bool:
+    """Whether this runs inside a backward pass (a checkpoint's recomputation of the forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 class ForwardCall:
@@ -162,15 +186,21 @@ class ForwardCall:
         state_in = None
         if plan.needs_exchange:
             self.prepared = self.backend.fwd_prepare(q, k, v, g, beta, scale, local, self.arena)  # records, once
+            # the runs whose document starts here need no incoming state: their output pass can run beside this
+            # rank's summaries and the exchange (not in a checkpoint's recomputation, which never asks for o)
+            early = None
+            if hasattr(self.prepared, "reserve_early") and not _in_backward():
+                early = self.prepared.reserve_early()  # its scratch carved before the exchange's
             state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
             _exchange_and_merge(ctx, self.prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q,
-                                v, dt, xbuf, self.arena, state_in)
+                                v, dt, xbuf, self.arena, state_in, after_summaries=early)
         self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic)
 
     def finish(self) -> torch.Tensor:
         s = self.saved
         if self.prepared is None:
-            self.prepared = self.backend.fwd_prepare(s.q, s.k, s.v, s.g, s.beta, s.scale, self.local, self.arena)
+            self.prepared = self.backend.fwd_prepare(s.q, s.k, s.v, s.g, s.beta, s.scale, self.local, self.arena,
+                                                     output_next=True)
         o, self.prepared = self.prepared.output(s.state_in), None
         return o
 

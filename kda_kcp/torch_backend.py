@@ -88,7 +88,7 @@ class TorchBackend:
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
         return None  # its gather indices are built at the first call
 
-    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None):
+    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False):
         return _Prepared(
             lambda ids: self.fwd_summaries(q, k, v, g, beta, scale, plan, ids),
             lambda state_in: self.fwd_output(q, k, v, g, beta, scale, plan, state_in),

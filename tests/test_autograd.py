@@ -64,6 +64,23 @@ def test_checkpoint_recomputation_skips_the_output_pass(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_the_forward_knows_a_checkpoint_recomputation(monkeypatch):
+    """The KCP forward's early output pass (kda_kcp.cuda.forward, reserve_early) is launched only outside a backward
+    pass: a checkpoint's recomputation never asks for o. function._in_backward tells the two apart."""
+    inputs, do = make_inputs(CU, dtype=torch.float32, seed=9)
+    ctx = kda_kcp.build_context_kcp(CU)
+    seen = []
+    init = function.ForwardCall.__init__
+
+    def noting_init(call, *a, **kw):
+        seen.append(function._in_backward())
+        init(call, *a, **kw)
+
+    monkeypatch.setattr(function.ForwardCall, "__init__", noting_init)
+    _checkpoint_step(inputs, do, ctx)
+    assert seen == [False, True]
+
+
 def test_checkpoint_recomputes_o_when_the_region_saved_it(monkeypatch):
     """A later op in the region saved o (the square): the recomputation runs the output pass again, and the
     result equals the plain step; so does a recomputation with torch's early stop switched off."""

@@ -463,17 +463,39 @@ def test_pipelined_forward_is_bitwise_the_plain_one(emu, monkeypatch):
     got = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("KDA_KCP_FWD_PIPELINE", flag)
-        prepared = forward.PreparedForward(*inputs, SCALE, plan)
+        prepared = forward.PreparedForward(*inputs, SCALE, plan, output_next=True)
         assert (prepared.groups is None) == (flag == "0")
         got[flag] = prepared.output(sin)
     assert torch.equal(got["1"], got["0"]), "the pipelined forward differs"
     assert got["1"].float().abs().sum() > 0
     # the KCP summaries read every record first: the groups' preps are made at once, then a plain output walk
     monkeypatch.setenv("KDA_KCP_FWD_PIPELINE", "1")
-    prepared = forward.PreparedForward(*inputs, SCALE, plan)
+    assert forward.PreparedForward(*inputs, SCALE, plan).groups is None  # a KCP call's records: all made at once
+    prepared = forward.PreparedForward(*inputs, SCALE, plan, output_next=True)
     prepared.summaries((0,))
     assert prepared.groups is None
     assert torch.equal(prepared.output(sin), got["0"])
+
+
+def test_segmented_kcp_summaries(emu, monkeypatch):
+    """The backward's KCP summaries of runs of 2, 5 and 1 chunks cut into 1- and 2-chunk segments, composed in the
+    reverse walk's order, against the whole-run summaries and the torch backend's (FP64 reference of the same
+    algebra)."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    cu = [0, 70, 330, 340]
+    plan, inputs, do, _, _ = _case(cu, 2, 14)
+    ref = TorchBackend().bwd_summaries(*(x.double() for x in inputs), do.double(), SCALE, plan, [1, 0, 2])
+    got = {}
+    for seg in ("0", "1", "2"):
+        monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", seg)
+        tabs = cb._summary_tables(plan, (1, 0, 2), "cpu", own_chunks=False, heads=2)
+        assert (tabs.chains is None) == (seg == "0")
+        got[seg] = cb.PreparedBackward(*inputs, do, SCALE, plan).summaries([1, 0, 2])
+    for seg, (mt, f) in got.items():
+        em, ef = _rel(mt, ref[0]), _rel(f, ref[1])
+        dm, df = _rel(mt, got["0"][0]), _rel(f, got["0"][1])
+        print(f"KCP summaries, segments of {seg}: Mt {em:.2e}, F {ef:.2e} vs FP64; vs whole runs {dm:.2e}, {df:.2e}")
+        assert em <= 5e-3 and ef <= 5e-3 and dm <= 2e-3 and df <= 2e-3
 
 
 def _emulated_kcp(rank, world, lib_path):
@@ -483,13 +505,17 @@ def _emulated_kcp(rank, world, lib_path):
     cu = [0, 70, 300]  # the second document crosses the rank boundary in every layout
     _, inputs, do, _, _ = _case(cu, 1, 8)
     ref = _oracle(cu, inputs, do)
-    for layout in kda_kcp.LAYOUTS:
-        ctx = kda_kcp.build_context_kcp(torch.tensor(cu), dist.group.WORLD, layout)
-        local = [ctx.shard(x) for x in inputs]
-        o, saved = function.forward_kcp(*local, ctx, None, True, None)
-        grads = function.backward_kcp(ctx.shard(do), saved, ctx, None)
-        got = [gather_global(ctx, x.float()) for x in (o, *grads)]
-        _check_vs_oracle(got, ref, f"W={world} {layout}")
+    for early in ("0", "1"):  # the forward's output pass after the exchange, or partly before it
+        os.environ["KDA_KCP_FWD_EARLY"] = early
+        # the backward's KCP summaries: one walk per whole run, or 1-chunk segments composed
+        os.environ["KDA_KCP_BWD_SUMMARY_CHUNKS"] = "0" if early == "0" else "1"
+        for layout in kda_kcp.LAYOUTS:
+            ctx = kda_kcp.build_context_kcp(torch.tensor(cu), dist.group.WORLD, layout)
+            local = [ctx.shard(x) for x in inputs]
+            o, saved = function.forward_kcp(*local, ctx, None, True, None)
+            grads = function.backward_kcp(ctx.shard(do), saved, ctx, None)
+            got = [gather_global(ctx, x.float()) for x in (o, *grads)]
+            _check_vs_oracle(got, ref, f"W={world} {layout} early={early} summary segments={early == '1'}")
 
 
 def test_kcp_on_the_emulated_kernels(emu):

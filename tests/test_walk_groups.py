@@ -87,3 +87,31 @@ def test_segment_choice_credits_the_pipelined_gradients(monkeypatch):
     monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")  # no pipeline, nothing hidden: the estimate as before
     assert cb.choose_segment_chunks([658, 1386], 16, 132) == 66
     assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 77
+
+
+def test_kcp_summary_segments_compose_in_reverse(monkeypatch):
+    """The KCP exchange's backward summaries cut into segments (summary_segment_chunks): every chunk of a listed run in
+    exactly one segment, the run's last segment's summary in its chain's first slot (the reverse walk's order), one
+    chain per listed run; whole runs (KDA_KCP_BWD_SUMMARY_CHUNKS=0) keep one row per run and no chains."""
+    plan = local_plan([0, 700, 1000, 1960])  # runs of 11, 5 and 15 chunks
+    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", "4")
+    tabs = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=False, heads=2)
+    rows, chains = tabs.rows.tolist(), tabs.chains.tolist()
+    # run 2: chunks 16..30 in 4 segments (4, 4, 4, 3), last first; run 0: chunks 0..10 in 3 (4, 4, 3)
+    assert chains == [[0, 4, -1, 0], [4, 3, -1, 1]]
+    assert rows == [[28, 3, 0, 0], [24, 4, 1, 0], [20, 4, 2, 0], [16, 4, 3, 0],
+                    [8, 3, 4, 0], [4, 4, 5, 0], [0, 4, 6, 0]]
+    own = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=True, heads=2)  # the lean path's own chunk table
+    assert own.chunks.shape[0] == 26 and own.rows[:, 0].tolist() == [12, 8, 4, 0, 23, 19, 15]
+    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", "0")
+    whole = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=False, heads=2)
+    assert whole.chains is None and whole.rows.tolist() == [[16, 15, 0, 0], [0, 11, 1, 0]]
+
+
+def test_kcp_summary_segment_choice(monkeypatch):
+    """A long published run is cut where its whole-run walk would leave SMs idle (H = 16: 64 of 132); 8 chunks at
+    least."""
+    monkeypatch.delenv("KDA_KCP_BWD_SUMMARY_CHUNKS", raising=False)
+    assert cb.summary_segment_chunks([658], 16, 132) < 658
+    assert all(cb.summary_segment_chunks([n], h, 132) >= min(8, n) for n in (5, 300, 1386) for h in (1, 4, 64))
+    assert cb.summary_segment_chunks([5], 4, 132) == 5

@@ -49,6 +49,7 @@ def _fake_cuda(monkeypatch):
     monkeypatch.setattr(backward, "load", lambda device: _NoKernels())
     monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "3")  # segmented forward walks on these small runs
     monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")  # and segmented backward walks
+    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", "2")  # and segmented KCP backward summaries
     return backend
 
 
@@ -80,11 +81,32 @@ def _check_exact(ctx, H, local_arena="replay", lean_passes=None):
     assert o.shape == q.shape and len(grads) == 5
     peaks = [a.peak for a in _Recorded.made]
     assert len(peaks) == 2 and max(peaks) == arena_size, (local_arena, lean_passes, peaks, arena_size)
+    # each call's own peak, not only the larger one (the backward's is the larger in every case here)
+    parts = function.arena_parts(ctx, H, backend, "cpu", passes=passes)
+    assert tuple(peaks) == parts, (local_arena, lean_passes, peaks, parts)
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
         function.forward_kcp(q, k, v, g, beta, ctx, None, True, workspace(need - 1))
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
         function.backward_kcp(do, saved, ctx, workspace(need - 1))
     return need
+
+
+def _check_uploaded(ctx, H, passes=None):
+    """After upload_tables (what WorkspaceKcp does), a forward and a backward build no table: on a GPU a table
+    built in a call is a blocking host-to-device copy (tests/gpu/test_workspace_cuda.py checks that there)."""
+    backend = function.select_backend(None, True)
+    backend.upload_tables(ctx, H, "cpu", passes)
+    before = set(ctx.local._tables)
+    q, k, v, g, beta, do = _inputs(ctx.local_tokens, H)
+    arena = "replay" if passes is None else "lean"
+    ws = kda_kcp.WorkspaceKcp.from_buffer(
+        torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena=arena, lean_passes=passes), dtype=torch.uint8),
+        True, arena, passes)
+    o, saved = function.forward_kcp(q, k, v, g, beta, ctx, None, True, ws)
+    function.backward_kcp(do, saved, ctx, ws)
+    built = [key for key in set(ctx.local._tables) - before  # (host-only values: the chunk count, the need)
+             if isinstance(key, tuple) and key[0] != "workspace_bytes"]
+    assert not built, built
 
 
 def _check_all_arenas(ctx, H):
@@ -118,14 +140,32 @@ def test_cuda_arena_is_exact_at_one_rank(monkeypatch, lengths, H):
     _check_all_arenas(kda_kcp.build_context_kcp(offsets(lengths)), H)
 
 
+@pytest.mark.parametrize("seg", ["3", "100000"])  # segmented walks, whole runs (run groups in both directions)
+@pytest.mark.parametrize("passes", [None, 2])
+def test_upload_tables_leaves_nothing_to_build(monkeypatch, seg, passes):
+    _fake_cuda(monkeypatch)
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", seg)
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
+    monkeypatch.setattr(forward, "sm_count", lambda device: 1)  # so that these small runs form run groups
+    ctx = kda_kcp.build_context_kcp(offsets([1000, 1, 0, 333, 130]))
+    if seg != "3":
+        assert forward.run_group_tables(ctx.local, 2, "cpu") is not None
+    _check_uploaded(ctx, 2, passes)
+
+
 def _two_ranks(rank, world):
     mp = pytest.MonkeyPatch()
     try:
         _fake_cuda(mp)
-        for lengths in ([1000, 1, 0, 333], [2001], [5, 700, 61, 300, 3]):
-            for layout in kda_kcp.LAYOUTS:
-                ctx = kda_kcp.build_context_kcp(offsets(lengths), dist.group.WORLD, layout)
-                _check_all_arenas(ctx, 2)
+        for early in ("0", "1"):  # the KCP forward's early output pass off, on (its carves live through the exchange)
+            mp.setenv("KDA_KCP_FWD_EARLY", early)
+            for lengths in ([1000, 1, 0, 333], [2001], [5, 700, 61, 300, 3]):
+                for layout in kda_kcp.LAYOUTS:
+                    ctx = kda_kcp.build_context_kcp(offsets(lengths), dist.group.WORLD, layout)
+                    if early == "1" and layout == "contiguous" and lengths[0] == 1000:
+                        assert forward.early_runs(ctx.local), "expected runs walked before the exchange"
+                    _check_all_arenas(ctx, 2)
+                    _check_uploaded(kda_kcp.build_context_kcp(offsets(lengths), dist.group.WORLD, layout), 2)
     finally:
         mp.undo()
 

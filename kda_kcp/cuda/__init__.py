@@ -40,20 +40,30 @@ class CudaBackend:
         (WorkspaceKcp does, so that no call after it copies anything host to device)."""
         local, plan = ctx.local, ctx.plan
         forward.forward_tables(local, num_heads, device)
+        forward.run_group_tables(local, num_heads, device)
         backward._tables(local, device)
         backward._seg_tables(local, num_heads, device)
+        backward._walk_groups(local, num_heads, device)
         if passes is not None:
             backward._lean_passes(local, num_heads, device, passes)
         if plan.needs_exchange:
+            early = forward.early_runs(local)
+            if early:  # the two output passes of a KCP forward
+                forward.forward_tables(local, num_heads, device, out_runs=early)
+                late = tuple(r for r in range(local.num_runs) if r not in early)
+                if late:
+                    forward.forward_tables(local, num_heads, device, out_runs=late)
             if plan.fwd_publish[ctx.rank]:
                 forward.forward_tables(local, num_heads, device, run_ids=plan.fwd_publish[ctx.rank])
             if plan.bwd_publish[ctx.rank]:
-                backward._summary_tables(local, tuple(plan.bwd_publish[ctx.rank]), device, own_chunks=passes is not None)
+                backward._summary_tables(local, tuple(plan.bwd_publish[ctx.rank]), device, own_chunks=passes is not None,
+                                         heads=num_heads)
 
     # one call, prepared once: the chunk records serve the KCP summaries and the local pass
-    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None) -> forward.PreparedForward:
-        """Called by kda_kcp.function after check_inputs has passed these tensors for this backend."""
-        return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena, checked=True)
+    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False) -> forward.PreparedForward:
+        """Called by kda_kcp.function after check_inputs has passed these tensors for this backend
+        (``output_next``: the output pass follows at once, no exchange in between)."""
+        return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena, checked=True, output_next=output_next)
 
     def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None) -> backward.PreparedBackward:
         return backward.PreparedBackward(q, k, v, g, beta, do, scale, plan, arena, passes)
@@ -65,12 +75,15 @@ class CudaBackend:
 
     def arena_bytes(self, part: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
         """Arena bytes one part of a prepared call carves: "fwd_records" (made by fwd_prepare), then
-        "fwd_summaries" or "fwd_output"; "bwd_records" (made by bwd_prepare), then "bwd_summaries" or
+        "fwd_summaries" or "fwd_output" (or, in a KCP forward, "fwd_output_early" and "fwd_output_late", the passes
+        before and after the exchange); "bwd_records" (made by bwd_prepare), then "bwd_summaries" or
         "bwd_grads". ``passes``: the lean backward's pass count (None: replay)."""
         if part == "fwd_records":
             return forward.records_arena_bytes(plan, num_heads, device)
         if part == "fwd_output":
             return forward.output_arena_bytes(plan, num_heads, device)
+        if part in ("fwd_output_early", "fwd_output_late"):
+            return forward.early_arena_bytes(plan, num_heads, device)[part == "fwd_output_late"]
         if part == "fwd_summaries":
             return forward.summaries_arena_bytes(plan, num_heads, run_ids, device)
         if part == "bwd_records":
@@ -78,7 +91,7 @@ class CudaBackend:
         if part == "bwd_grads":
             return backward.grads_arena_bytes(plan, num_heads, device, passes)
         if part == "bwd_summaries":
-            return backward.summaries_arena_bytes(plan, num_heads, run_ids, passes)
+            return backward.summaries_arena_bytes(plan, num_heads, run_ids, passes, device)
         raise ValueError(f"unknown part {part!r}")
 
     # single stages (tests, the torch backend's interface)

@@ -271,10 +271,44 @@ class SegTables:
 
 def table_knobs() -> tuple:
     """The knobs the segment tables depend on: the forced length, the walk width, and (through the pipelined
-    gradients' credit in ``choose_segment_chunks``) the pipeline flag and the group cap. Every cache built from
-    the segment tables keys on them."""
+    gradients' credit in ``choose_segment_chunks``) the pipeline flag and the group cap; and the KCP summaries'
+    forced segment length. Every cache built from the segment tables keys on them."""
     return (os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""), os.environ.get("KDA_KCP_BWD_WALK_WARPS", ""), _pipeline(),
-            _max_walk_groups())
+            _max_walk_groups(), os.environ.get("KDA_KCP_BWD_SUMMARY_CHUNKS", ""))
+
+
+# One composed segment, in chunk steps. Fitted to session 19's probe (one published run, H200): at H = 16, 486 chunks
+# took 0.575 / 0.638 / 0.705 / 0.754 ms in segments of 64 / 32 / 27 / 16 chunks, 1386 chunks 1.573 / 1.635 / 1.887
+# ms in 64 / 32 / 16 (whole runs 1.383 and 3.816 ms): more segments than the GPU needs cost more than the fold's
+# 1 step each.
+COMPOSE_STEP_COST = 3.0
+
+
+def summary_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
+    """Chunks per segment of the KCP exchange's reverse summaries (``PreparedBackward.summaries``): each published
+    run is cut into segments whose summaries are walked at once, then composed in order (a chain of the segments'
+    affine maps). A whole run's summary is one serial walk of all its chunks (4 tiles per head, one SM each: 64
+    of the 132 SMs at H = 16), on the critical path of every rank (the others wait for it in the all-gather).
+    The estimate is ``choose_segment_chunks``' list scheduling of the summary pass plus COMPOSE_STEP_COST per
+    composed segment. ``KDA_KCP_BWD_SUMMARY_CHUNKS=n`` forces n; ``0`` keeps whole runs. A pure function of the shapes."""
+    longest = max(run_chunks, default=1)
+    forced = os.environ.get("KDA_KCP_BWD_SUMMARY_CHUNKS", "").strip()
+    if forced:
+        n = int(forced)
+        return longest if n <= 0 else n
+    best = None
+    for L in sorted({longest} | {max(1, math.ceil(longest / n)) for n in range(1, 129)}, reverse=True):
+        if L < 8 and L != longest:
+            continue
+        parts, steps = [], 0
+        for c in run_chunks:
+            ps = _split(c, math.ceil(c / L)) if c > 0 else []
+            parts += ps
+            steps = max(steps, len(ps) - 1)
+        t = _pass_time(parts, 4 * heads, sms) + COMPOSE_STEP_COST * steps
+        if best is None or t < best[0] - 1e-9:
+            best = (t, L)
+    return best[1]
 
 
 def _seg_tables(plan, heads: int, device) -> SegTables:
@@ -330,27 +364,52 @@ def _lean_passes(plan, heads: int, device, passes: int) -> list[LeanPass]:
     return out
 
 
-def _summary_tables(plan, run_ids, device, own_chunks: bool):
-    """(chunk table, rows (first chunk, chunks, out index, 0)) of the whole-run backward summaries of
-    ``run_ids``. own_chunks False: rows index the plan's chunk table (the replay records cover it);
-    True: a table of just these runs' chunks (the lean backward preps them apart). Cached."""
-    key = ("cuda_bwd_summary_tables", tuple(run_ids), str(torch.device(device)), own_chunks)
+class SummaryTables:
+    """The KCP exchange's reverse summaries of some runs: ``chunks`` (the chunk table the rows index), ``rows``
+    (first chunk, chunks, out slot, 0) of the walks and, when the runs are cut into segments, ``chains`` (first
+    slot, count, -1, run's index in run_ids) that compose each run's segment summaries, its last segment's first
+    (the reverse walk's order: dS_in = Mt_1 (... (Mt_n dS_out + F_n) ...) + F_1); None: one walk per whole run."""
+
+    def __init__(self, chunks, rows, chains):
+        self.chunks, self.rows, self.chains = chunks, rows, chains
+        self.num_rows = rows.shape[0]
+
+
+def _summary_tables(plan, run_ids, device, own_chunks: bool, heads: int = 1) -> SummaryTables:
+    """The SummaryTables of ``run_ids`` (segments of ``summary_segment_chunks``). own_chunks False: rows index the
+    plan's chunk table (the replay records cover it); True: a table of just these runs' chunks (the lean backward
+    preps them apart). Cached."""
+    device = torch.device(device)
+    key = ("cuda_bwd_summary_tables", tuple(run_ids), str(device), own_chunks, heads) + table_knobs()
     cache = plan._tables
     if key not in cache:
         C = plan.chunk_size
-        chunks, runs = [], []
+        L = summary_segment_chunks([plan.runs[r].num_chunks(C) for r in run_ids], heads, sm_count(device))
         firsts = [0]
         for run in plan.runs:
             firsts.append(firsts[-1] + run.num_chunks(C))
-        for i, r in enumerate(run_ids):
+        chunks, spans = [], []  # spans: (first chunk, segment lengths) per listed run
+        for r in run_ids:
             run = plan.runs[r]
             bounds = run.chunk_offsets(C)
-            runs.append((len(chunks) if own_chunks else firsts[r], len(bounds), i, 0))
+            spans.append((len(chunks) if own_chunks else firsts[r],
+                          _split(len(bounds), math.ceil(len(bounds) / L)) if bounds else []))
             if own_chunks:
                 chunks += [(run.local_start + off, n) for off, n in bounds]
+        segmented = any(len(parts) > 1 for _, parts in spans)
+        rows, chains = [], []
+        for i, (first, parts) in enumerate(spans):
+            if not segmented:  # one walk per run, its summary straight into slot i
+                rows.append((first, sum(parts), i, 0))
+                continue
+            starts = [first + sum(parts[:j]) for j in range(len(parts))]
+            chains.append((len(rows), len(parts), -1, i))  # (an empty run: a chain of none, M = I, E = 0)
+            for j in reversed(range(len(parts))):  # the last segment's summary first: the chain's order
+                rows.append((starts[j], parts[j], len(rows), 0))
         ct = torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2).to(device) if own_chunks else _tables(plan, device)[0]
-        rt = torch.tensor(runs, dtype=torch.int32).reshape(-1, 4).to(device)
-        cache[key] = (ct, rt)
+        rt = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+        ch = torch.tensor(chains, dtype=torch.int32).reshape(-1, 4).to(device) if segmented else None
+        cache[key] = SummaryTables(ct, rt, ch)
     return cache[key]
 
 
@@ -381,15 +440,26 @@ def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -
     return n
 
 
-def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = None) -> int:
+def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = None, device="cpu") -> int:
     """Arena bytes ``PreparedBackward.summaries`` carves after the records, its results (Mt, F) included
-    (lean: also the listed runs' prep records)."""
+    (lean: also the listed runs' prep records; segments: their summaries before the compose)."""
     run_ids = tuple(int(r) for r in run_ids)
     n = 2 * state_bytes(len(run_ids), num_heads)
     if run_ids and passes is not None:
         nc = sum(plan.runs[r].num_chunks(plan.chunk_size) for r in run_ids)
         n += tensor_bytes((nc * num_heads * PREP_BYTES,), torch.uint8)
+    if run_ids:
+        tabs = _summary_tables(plan, run_ids, device, own_chunks=passes is not None, heads=num_heads)
+        if tabs.chains is not None:
+            n += 2 * state_bytes(tabs.num_rows, num_heads)
     return n
+
+
+def _forward_program(device):
+    """The forward's program (kda_kcp.cuda.forward.load), for its affine compose."""
+    from . import forward
+
+    return forward.load(device)
 
 
 def hi_state_shape(n: int, H: int) -> tuple:
@@ -615,13 +685,21 @@ class PreparedBackward:
         F = arena.empty((len(run_ids), H, _D, _D), torch.float32)
         if not run_ids:
             return Mt, F
-        chunks, rows = _summary_tables(self.plan, run_ids, self.dev, own_chunks=self.prep is None)
+        tabs = _summary_tables(self.plan, run_ids, self.dev, own_chunks=self.prep is None, heads=H)
         prep = self.prep
         if prep is None:  # lean: these runs' records apart
-            prep = arena.empty((chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, prep, self.scale)
-        warps = walk_warps(REV_SUMMARY_SMS * len(run_ids) * H, sm_count(self.dev))
-        self.mod.bwd_rev_summary(self.do, prep, chunks, rows, Mt, F, warps)
+            prep = arena.empty((tabs.chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
+            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, tabs.chunks, prep, self.scale)
+        warps = walk_warps(REV_SUMMARY_SMS * tabs.num_rows * H, sm_count(self.dev))
+        if tabs.chains is None:
+            self.mod.bwd_rev_summary(self.do, prep, tabs.chunks, tabs.rows, Mt, F, warps)
+            return Mt, F
+        # segments: every segment's summary at once, then each run's chain composed (the forward's program
+        # exports the affine compose; both programs are loaded with the backend)
+        mt = arena.empty((tabs.num_rows, H, _D, _D), torch.float32)
+        f = arena.empty((tabs.num_rows, H, _D, _D), torch.float32)
+        self.mod.bwd_rev_summary(self.do, prep, tabs.chunks, tabs.rows, mt, f, warps)
+        _forward_program(self.dev).merge_compose(mt, f, tabs.chains, Mt, F)
         return Mt, F
 
     def grads(self, state_in=None, dstate_out=None):

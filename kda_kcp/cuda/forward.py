@@ -32,7 +32,7 @@ from .common import _D, _c, check_tensors, sm_count, state_bytes
 
 __all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
            "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
-           "model_time", "run_groups", "run_group_tables"]
+           "model_time", "run_groups", "run_group_tables", "early_runs", "early_arena_bytes"]
 
 CHUNK = 64
 RECORD_BYTES = 70144  # kda::kStagedRecordBytes
@@ -54,9 +54,34 @@ def _warps() -> int:
     return w
 
 
+def _early_mode() -> str:
+    """``KDA_KCP_FWD_EARLY``: 0 (the default): a KCP forward walks every run after the exchange; 1: the runs whose
+    incoming state is zero are walked on a side stream once this rank's summaries are done, beside the all-gather
+    and the merge; 2: beside the summaries too. Opt-in while the A/B is incomplete (NOTES.md, session 19: 1 gained
+    up to 1.3 ms on zigzag rows at W = 2 and was even or 0.1-0.2 ms slower on contiguous H = 16)."""
+    v = os.environ.get("KDA_KCP_FWD_EARLY", "").strip() or "0"
+    if v not in ("0", "1", "2"):
+        raise ValueError(f"KDA_KCP_FWD_EARLY must be 0, 1 or 2, got {v!r}")
+    return v
+
+
+def _early() -> bool:
+    """Whether the KCP forward walks the runs whose incoming state is zero before the exchange (``_early_mode``)."""
+    return _early_mode() != "0"
+
+
 def table_knobs() -> tuple:
-    """The knobs the forward's tables (hence its carves) depend on: the forced segment length and the walk width."""
-    return (os.environ.get("KDA_KCP_SEG_CHUNKS", ""), _warps())
+    """The knobs the forward's tables and carves depend on: the forced segment length, the walk width and whether the
+    KCP forward walks some runs before the exchange (its carves are then two passes')."""
+    return (os.environ.get("KDA_KCP_SEG_CHUNKS", ""), _warps(), _early())
+
+
+def early_runs(plan) -> tuple:
+    """The local runs a KCP forward walks before the exchange: those whose document starts in them (their incoming
+    state is zero, whatever the other ranks publish); () unless ``KDA_KCP_FWD_EARLY`` is 1 or 2."""
+    if not _early():
+        return ()
+    return tuple(i for i, run in enumerate(plan.runs) if run.starts_doc and run.length > 0)
 
 
 def _split(nchunks: int, nseg: int) -> list[int]:
@@ -158,15 +183,20 @@ def _chunk_table(plan, device):
     return cache[key]
 
 
-def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = None) -> ForwardTables:
-    """Tables for the output walk (run_ids None: every run) or for the whole-run summaries of ``run_ids``.
-    Both index one chunk table, every chunk of the plan, so one prep's records serve both.
+def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = None, out_runs=None) -> ForwardTables:
+    """Tables for the output walk (of every run, or of the runs ``out_runs`` lists) or for the whole-run summaries
+    of ``run_ids``. All index one chunk table, every chunk of the plan, so one prep's records serve them all.
 
     Pure host arithmetic (cached per plan); ``sms`` overrides the device's SM count (CPU tests)."""
     device = torch.device(device)
     summaries_only = run_ids is not None
     runs = plan.runs
-    ids = tuple(int(r) for r in run_ids) if summaries_only else tuple(range(len(runs)))
+    if summaries_only:
+        ids = tuple(int(r) for r in run_ids)
+    elif out_runs is not None:
+        ids = tuple(sorted(int(r) for r in out_runs))
+    else:
+        ids = tuple(range(len(runs)))
     warps = _warps()
     key = ("cuda_forward", ids, summaries_only, heads, str(device), sms) + table_knobs()
     cache = plan._tables
@@ -312,12 +342,25 @@ def records_arena_bytes(plan, heads: int, device) -> int:
     return tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
 
 
-def output_arena_bytes(plan, heads: int, device) -> int:
-    """Arena bytes ``PreparedForward.output`` carves after the records: segment summaries and states."""
-    tabs = forward_tables(plan, heads, device)
+def output_arena_bytes(plan, heads: int, device, out_runs=None) -> int:
+    """Arena bytes an output pass (of every run, or of ``out_runs``) carves after the records: segment summaries and
+    states."""
+    if out_runs is not None and not out_runs:
+        return 0
+    tabs = forward_tables(plan, heads, device, out_runs=out_runs)
     if records_arena_bytes(plan, heads, device) == 0 or tabs.num_summary == 0:
         return 0
     return 2 * state_bytes(tabs.num_summary, heads) + state_bytes(tabs.num_sin, heads)
+
+
+def early_arena_bytes(plan, heads: int, device) -> tuple[int, int]:
+    """(carves of the early output pass, carves of the late one) of a KCP forward (``PreparedForward.reserve_early``,
+    then ``output``): the early one's live from before the exchange to the end of the call."""
+    early = early_runs(plan)
+    if not early:
+        return 0, output_arena_bytes(plan, heads, device)
+    late = tuple(r for r in range(plan.num_runs) if r not in early)
+    return output_arena_bytes(plan, heads, device, early), output_arena_bytes(plan, heads, device, late)
 
 
 def summaries_arena_bytes(plan, heads: int, run_ids, device) -> int:
@@ -336,9 +379,12 @@ class PreparedForward:
     the summary walks of the runs a rank publishes (KCP) and by the output walk. Scratch comes from
     ``arena`` (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve."""
 
-    def __init__(self, q, k, v, g, beta, scale, plan, arena=None, checked=False):
+    def __init__(self, q, k, v, g, beta, scale, plan, arena=None, checked=False, output_next=False):
         """``checked``: the caller has run ``kda_kcp.validate.check_inputs`` for the CUDA backend on these
-        tensors in this call (dtypes, shapes, device, contiguity), so they are used as they are."""
+        tensors in this call (dtypes, shapes, device, contiguity), so they are used as they are.
+        ``output_next``: the caller's next step is ``output`` (no KCP summaries, no exchange in between), so the
+        records may be made by run group, each group's just before its walk (``run_group_tables``); otherwise
+        they are all made now (a KCP rank waits for the others' summaries with its records done)."""
         if not checked:
             check_tensors("CUDA backend", q, k, v, g, beta)
             q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
@@ -352,9 +398,11 @@ class PreparedForward:
         self.none = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
         self.ws = None
         self.groups = None  # run groups whose records are made by ``output``, each before its own walk
+        self._o = self._side = None  # the KCP forward's early pass (``reserve_early``): o, its stream
+        self._late = ()  # the runs ``output`` walks after an early pass
         if self.q.shape[0] and plan.num_runs and self.tabs.num_chunks:
             self.ws = self.arena.empty((self.tabs.num_chunks * self.H * RECORD_BYTES,), torch.uint8)
-            self.groups = run_group_tables(plan, self.H, self.dev)
+            self.groups = run_group_tables(plan, self.H, self.dev) if output_next else None
             if self.groups is None:
                 self._prep(((0, self.tabs.num_chunks),))
 
@@ -391,32 +439,87 @@ class PreparedForward:
         self.mod.merge_compose(m, e, tabs.chains, M, E)
         return M, E
 
+    def reserve_early(self):
+        """The KCP forward's early pass: o, and the scratch of the output pass of ``early_runs`` (runs whose incoming
+        state is zero) carved now, before the exchange's own carves. Returns the function that launches that pass on
+        a side stream once ``ready`` (a CUDA event recorded after this rank's summaries; None: the current stream's
+        work so far) has passed, or None (no such run). ``output`` then walks the other runs on the current stream
+        and joins the side stream."""
+        ids = early_runs(self.plan)
+        if not ids or self.ws is None:
+            return None
+        self._prep_rest()
+        H = self.H
+        self._o = torch.empty(self.q.shape[0], H, _D, dtype=torch.bfloat16, device=self.dev)
+        tabs = forward_tables(self.plan, H, self.dev, out_runs=ids)
+        carves = self._carve(tabs)
+        self._late = tuple(r for r in range(self.plan.num_runs) if r not in ids)
+        records = None
+        if _early_mode() == "2" and self.dev.type == "cuda":  # start beside this rank's summaries
+            records = torch.cuda.Event()
+            records.record()
+
+        def launch(ready=None):
+            if self.dev.type != "cuda":  # (the CPU emulation of the kernels)
+                self._output_pass(tabs, self.none, self._o, carves)
+                return
+            side = _group_streams(self.dev, 1)[0]
+            if records is not None:
+                ready = records
+            if ready is not None:
+                side.wait_event(ready)  # the records, o, this rank's summaries
+            else:
+                side.wait_stream(torch.cuda.current_stream(self.dev))
+            with torch.cuda.stream(side):
+                self._output_pass(tabs, self.none, self._o, carves)
+            self._side = side
+
+        return launch
+
+    def _carve(self, tabs):
+        """(summaries M, E, segment states) of one output pass, from the arena (None: a pass without segments)."""
+        if tabs.num_summary == 0:
+            return None
+        H, arena = self.H, self.arena
+        m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
+        e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
+        return m, e, arena.empty(_state_shape(tabs.num_sin, H), torch.float32)
+
+    def _output_pass(self, tabs, sin_t, o, carves) -> None:
+        """Summary walk, fold and output walk of the segments in ``tabs``."""
+        warps = _warps()
+        seg_states = self.none
+        if carves is not None:
+            m, e, seg_states = carves
+            self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, warps)
+            self.mod.merge_fold(m, e, tabs.chains, sin_t, seg_states)
+        self.mod.fwd_walk_output(self.v, self.ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
+
     def output(self, state_in=None):
         """o [T, H, 128] bf16 of every run from its incoming state (``state_in`` [R, H, 128, 128] fp32 or
         None = zero)."""
         T, H = self.q.shape[0], self.H
-        o = torch.empty(T, H, _D, dtype=torch.bfloat16, device=self.dev)
+        early = self._o is not None
+        o = self._o if early else torch.empty(T, H, _D, dtype=torch.bfloat16, device=self.dev)
         if self.ws is None:
             return o
-        tabs, arena = self.tabs, self.arena
         sin_t = self.none
         if state_in is not None:
             sin_t = state_in.to(torch.float32).contiguous()  # a no-op for the states function.py hands in
             if tuple(sin_t.shape) != _state_shape(self.plan.num_runs, H):
                 raise ValueError(f"state_in must be [{self.plan.num_runs}, {H}, {_D}, {_D}], got "
                                  f"{tuple(state_in.shape)}")
-        warps = _warps()
-        seg_states = self.none
-        if tabs.num_summary > 0:
-            m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-            e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-            self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, warps)
-            seg_states = arena.empty(_state_shape(tabs.num_sin, H), torch.float32)
-            self.mod.merge_fold(m, e, tabs.chains, sin_t, seg_states)
-        if self.groups is not None:
-            self._pipelined_output(sin_t, o, warps)
+        if early:
+            if self._late:
+                tabs = forward_tables(self.plan, H, self.dev, out_runs=self._late)
+                self._output_pass(tabs, sin_t, o, self._carve(tabs))
+            if self._side is not None:  # o and the early pass's scratch are used (or freed) on main only after this
+                torch.cuda.current_stream(self.dev).wait_stream(self._side)
             return o
-        self.mod.fwd_walk_output(self.v, self.ws, tabs.chunks, tabs.out, sin_t, seg_states, o, warps)
+        if self.groups is not None:
+            self._pipelined_output(sin_t, o, _warps())
+            return o
+        self._output_pass(self.tabs, sin_t, o, self._carve(self.tabs))
         return o
 
     def _pipelined_output(self, sin_t, o, warps) -> None:
@@ -448,7 +551,7 @@ class PreparedForward:
 
 def fwd_output(q, k, v, g, beta, scale, plan, state_in=None, arena=None):
     """o [T, H, 128] bf16 of every run of ``plan`` from its incoming state (``CudaBackend.fwd_output``)."""
-    return PreparedForward(q, k, v, g, beta, scale, plan, arena).output(state_in)
+    return PreparedForward(q, k, v, g, beta, scale, plan, arena, output_next=True).output(state_in)
 
 
 def fwd_summaries(q, k, v, g, beta, scale, plan, run_ids, arena=None):

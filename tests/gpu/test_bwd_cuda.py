@@ -291,7 +291,9 @@ def test_segment_halves_bitwise(monkeypatch):
     print("segmented walks in two halves: bitwise equal to the unpipelined backward")
 
 
-def test_summaries_match_torch_backend():
+@pytest.mark.parametrize("seg", ["0", "5"])  # whole runs; 5-chunk segments composed (runs of 15 and 32 chunks)
+def test_summaries_match_torch_backend(seg, monkeypatch):
+    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", seg)
     gen = torch.Generator().manual_seed(SEED + 17)
     cu = [0, 900, 1000, 3000]
     T, H = cu[-1], 4
@@ -301,7 +303,7 @@ def test_summaries_match_torch_backend():
     Mt, F = cb.bwd_summaries(*inputs, do, SCALE, plan, run_ids)
     Mt_r, F_r = TorchBackend().bwd_summaries(*inputs, do, SCALE, plan, run_ids)
     em, ef = rel(Mt, Mt_r), rel(F, F_r)
-    print(f"summaries: Mt rel-RMS vs torch-fp32 {em:.3e}, F {ef:.3e}")
+    print(f"summaries (segments of {seg}): Mt rel-RMS vs torch-fp32 {em:.3e}, F {ef:.3e}")
     assert torch.isfinite(Mt).all() and torch.isfinite(F).all()
     assert em <= 5e-3 and ef <= 5e-3
 

@@ -133,7 +133,7 @@ def test_pipelined_forward_bitwise(monkeypatch):
             assert groups is not None and len(groups) == 4, "expected one run group per document"
         else:
             assert groups is None
-        outs[flag] = PreparedForward(*inputs, 128**-0.5, plan).output(sin)
+        outs[flag] = PreparedForward(*inputs, 128**-0.5, plan, output_next=True).output(sin)
     torch.cuda.synchronize()
     assert torch.isfinite(outs["1"].float()).all()
     assert torch.equal(outs["1"].view(torch.int16), outs["0"].view(torch.int16)), "the pipelined forward differs"
