@@ -10,7 +10,8 @@
 
 Whole-run forwards whose walk CTAs outnumber the SMs prep and walk by run group, longest runs first, each group's
 walk on a side stream once its own records are made (``run_group_tables``; ``KDA_KCP_FWD_PIPELINE=0`` turns it
-off); o is bitwise the same either way.
+off); o is bitwise the same either way. A KCP forward can walk the runs whose document starts on the rank beside
+the exchange (``PreparedForward.reserve_early``; opt-in, ``KDA_KCP_FWD_EARLY``).
 
 ``fwd_output`` and ``fwd_summaries`` keep the contract of ``kda_kcp.cuda.CudaBackend``. The segment length
 is a pure function of (run lengths, H, SM count) (``choose_segment_chunks``), so results are bitwise
