@@ -8,7 +8,7 @@
                   (csrc/kda_affine_merge.cuh)
     walk_output   one CTA per (segment, head, 16 NW value columns): o from each segment's S_in
 
-Whole-run forwards whose walk CTAs outnumber the SMs prep and walk by run group, longest runs first, each group's
+Whole-run forwards of runs of unlike lengths prep and walk by run group, longest runs first, each group's
 walk on a side stream once its own records are made (``run_group_tables``; ``KDA_KCP_FWD_PIPELINE=0`` turns it
 off); o is bitwise the same either way. A KCP forward can walk the runs whose document starts on the rank beside
 the exchange (``PreparedForward.reserve_early``; opt-in, ``KDA_KCP_FWD_EARLY``).
@@ -276,6 +276,7 @@ class RunGroup:
     def __init__(self, ranges, out, device):
         self.ranges = ranges
         self.out = torch.tensor(out, dtype=torch.int32).reshape(-1, 8).to(device)
+        self.priority = 0  # of the stream its walk runs on
 
 
 def run_group_tables(plan, heads: int, device, sms: int | None = None):
@@ -296,15 +297,19 @@ def run_group_tables(plan, heads: int, device, sms: int | None = None):
         lengths = {r: row[5] for r, row in rows.items()}
         ids = run_groups(lengths, heads, nsm)
         # Preps and walks that run at once slow each other (a walk step ~1.35x, the prep on those SMs ~2x; NOTES.md
-        # session 19), so the pipeline pays only where the plain walk leaves room: when its CTAs outnumber the SMs
-        # (the shorter runs' walks wait for slots; benchmark batch, H = 64: fwd 30.5 against 31.8 ms; at H = 16,
-        # one CTA per SM: 9.7 against 9.2 ms), and when the last group's walk, which starts after every prep, is
-        # clearly shorter than the first's (4 documents of 1,021 chunks at H = 16: 10.44 against 8.10 ms).
+        # session 19), so the pipeline pays only through the walks of the shorter runs that end before the longest
+        # one: the last group's walk, which starts after every prep, must be clearly shorter than the first's (4
+        # documents of 1,021 chunks at H = 16: 10.44 against 8.10 ms). Benchmark batch: H = 64 fwd 30.9 against
+        # 32.0 ms, H = 16 8.91 against 9.22 ms (walks at priority -1: at default priority the later groups' walks
+        # waited for the last prep, 9.7 ms).
         ctas = len(tabs.out_rows) * heads * (_D // (16 * _warps()))
-        if (len(ids) > 1 and ctas > nsm
-                and max(lengths[r] for r in ids[-1]) <= LAST_FRACTION * max(lengths[r] for r in ids[0])):
+        if len(ids) > 1 and max(lengths[r] for r in ids[-1]) <= LAST_FRACTION * max(lengths[r] for r in ids[0]):
             out = tuple(RunGroup(coalesce_ranges(sorted((rows[r][2], rows[r][2] + rows[r][5]) for r in grp)),
                                  [row for row in tabs.out_rows if row[3] in grp], device) for grp in ids)
+            # walks that fit one CTA per SM go first when a slot frees (else the later groups' walks wait for the last
+            # prep); walks that fill the GPU keep the default priority (they would take the preps' slots)
+            for grp in out:
+                grp.priority = -1 if ctas <= nsm else 0
     cache[key] = out
     return out
 
@@ -312,11 +317,11 @@ def run_group_tables(plan, heads: int, device, sms: int | None = None):
 _GROUP_STREAMS: dict = {}
 
 
-def _group_streams(device, n: int) -> list:
+def _group_streams(device, n: int, priority: int = 0) -> list:
     main = torch.cuda.current_stream(device)
-    pool = _GROUP_STREAMS.setdefault(main.device, [])
+    pool = _GROUP_STREAMS.setdefault((main.device, priority), [])
     while len(pool) < n:
-        pool.append(torch.cuda.Stream(device=main.device))
+        pool.append(torch.cuda.Stream(device=main.device, priority=priority))
     return pool[:n]
 
 
@@ -540,7 +545,7 @@ class PreparedForward:
                 walk(grp)
             return
         main = torch.cuda.current_stream(self.dev)
-        streams = _group_streams(self.dev, len(groups))
+        streams = _group_streams(self.dev, len(groups), groups[0].priority)
         for grp, side in zip(groups, streams):
             self._prep(grp.ranges)
             side.wait_stream(main)  # this group's records (and o, the tables, the incoming states)

@@ -112,15 +112,14 @@ def test_bitwise_repeat_and_two_processes():
     assert out.stdout.strip().splitlines()[-1] == digest
 
 
-def test_pipelined_forward_bitwise(monkeypatch):
-    """Whole-run walks of four documents at H = 64 (512 walk CTAs) in four run groups (each group's prep, then its
-    walk on a side stream beside the next groups' preps): o bitwise equal to the unpipelined forward's, from
-    incoming states."""
+@pytest.mark.parametrize("H", [16, 64])  # walk streams at priority -1 (128 walk CTAs) and at the default (512)
+def test_pipelined_forward_bitwise(H, monkeypatch):
+    """Whole-run walks of four documents in four run groups (each group's prep, then its walk on a side stream beside
+    the next groups' preps): o bitwise equal to the unpipelined forward's, from incoming states."""
     from kda_kcp.cuda.forward import PreparedForward, run_group_tables
 
     gen = torch.Generator().manual_seed(SEED + 17)
     cu = [0, 3000, 23000, 28000, 37000]  # 47, 313, 79, 141 chunks
-    H = 64
     inputs = make_inputs(cu[-1], H, gen, gate="mixed")
     plan = local_plan(cu)
     sin = (0.1 * torch.randn(plan.num_runs, H, 128, 128, generator=gen)).to(DEV)
@@ -131,6 +130,7 @@ def test_pipelined_forward_bitwise(monkeypatch):
         groups = run_group_tables(plan, H, DEV)
         if flag == "1":
             assert groups is not None and len(groups) == 4, "expected one run group per document"
+            assert groups[0].priority == (-1 if H == 16 else 0)
         else:
             assert groups is None
         outs[flag] = PreparedForward(*inputs, 128**-0.5, plan, output_next=True).output(sin)
