@@ -50,7 +50,7 @@ class CudaBackend:
             early = forward.early_runs(local)
             if early:  # the two output passes of a KCP forward
                 forward.forward_tables(local, num_heads, device, out_runs=early)
-                late = tuple(r for r in range(local.num_runs) if r not in early)
+                late = forward.late_runs(local, early)
                 if late:
                     forward.forward_tables(local, num_heads, device, out_runs=late)
             if plan.fwd_publish[ctx.rank]:

@@ -30,7 +30,7 @@ import torch
 
 from ..arena import Arena, tensor_bytes
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_tensors, sm_count, state_bytes
+from .common import _D, _c, check_tensors, env_choice, side_streams, sm_count, state_bytes
 
 __all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
            "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load"]
@@ -61,13 +61,7 @@ def _grads_warps() -> int:
 def _walk_streams() -> bool:
     """Whether the two walk chains run on two streams (the default; ``KDA_KCP_BWD_WALK_STREAMS=0`` runs them
     one after the other on the current stream, for A/Bs)."""
-    v = os.environ.get("KDA_KCP_BWD_WALK_STREAMS", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"KDA_KCP_BWD_WALK_STREAMS must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
-_SIDE_STREAMS: dict = {}
+    return env_choice("KDA_KCP_BWD_WALK_STREAMS", "1", ("0", "1")) == "1"
 
 
 def _both_walks(rev_chain, fwd_chain, device) -> None:
@@ -84,9 +78,7 @@ def _both_walks(rev_chain, fwd_chain, device) -> None:
         fwd_chain()
         return
     main = torch.cuda.current_stream(device)
-    side = _SIDE_STREAMS.get(main.device)
-    if side is None:
-        side = _SIDE_STREAMS[main.device] = torch.cuda.Stream(device=main.device)
+    side = side_streams("bwd_side", main.device, 1)[0]
     side.wait_stream(main)  # the records, states and buffers made so far
     rev_chain()
     with torch.cuda.stream(side):
@@ -148,17 +140,10 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
     for whole runs (NOTES.md, session 15). Whole runs are credited with the gradient time their pipelined walk groups
     hide (``_pipelined_gradients``; with ``KDA_KCP_BWD_PIPELINE=1``, the default; the lean path's passes do not
     pipeline, and use the same choice). ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0`` keeps whole runs."""
-    forced = os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", "").strip()
     longest = max(run_chunks, default=1)
-    if forced:
-        n = int(forced)
-        return longest if n <= 0 else n
-    best = None
-    cands = {longest} | {max(1, math.ceil(longest / n)) for n in range(1, 129)}
     hidden = _pipelined_gradients(run_chunks, heads, sms) if _pipeline() else 0.0
-    for L in sorted(cands, reverse=True):
-        if L < 8 and L != longest:
-            continue
+
+    def cost(L: int) -> float:
         walk, summ, steps = [], [], 0
         for c in run_chunks:
             parts = _split(c, math.ceil(c / L))
@@ -166,8 +151,25 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
             summ += parts[:-1]
             steps = max(steps, len(parts) - 1)
         t = 2 * (_pass_time(walk, 2 * heads, sms) + _pass_time(summ, 4 * heads, sms)) + 2 * FOLD_STEP_COST * steps
-        if L >= longest:
-            t -= hidden
+        return t - hidden if L >= longest else t
+
+    return _best_length(run_chunks, "KDA_KCP_BWD_SEG_CHUNKS", cost)
+
+
+def _best_length(run_chunks: list[int], forced_var: str, cost) -> int:
+    """The chunks per segment L that minimise ``cost(L)`` over the candidates (the longest run's length, and
+    ceil(longest / n) for n up to 128 if at least 8), the longest first on ties; or the length the environment
+    variable ``forced_var`` forces (``0``: whole runs)."""
+    longest = max(run_chunks, default=1)
+    forced = os.environ.get(forced_var, "").strip()
+    if forced:
+        n = int(forced)
+        return longest if n <= 0 else n
+    best = None
+    for L in sorted({longest} | {max(1, math.ceil(longest / n)) for n in range(1, 129)}, reverse=True):
+        if L < 8 and L != longest:
+            continue
+        t = cost(L)
         if best is None or t < best[0] - 1e-9:
             best = (t, L)
     return best[1]
@@ -291,24 +293,15 @@ def summary_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
     of the 132 SMs at H = 16), on the critical path of every rank (the others wait for it in the all-gather).
     The estimate is ``choose_segment_chunks``' list scheduling of the summary pass plus COMPOSE_STEP_COST per
     composed segment. ``KDA_KCP_BWD_SUMMARY_CHUNKS=n`` forces n; ``0`` keeps whole runs. A pure function of the shapes."""
-    longest = max(run_chunks, default=1)
-    forced = os.environ.get("KDA_KCP_BWD_SUMMARY_CHUNKS", "").strip()
-    if forced:
-        n = int(forced)
-        return longest if n <= 0 else n
-    best = None
-    for L in sorted({longest} | {max(1, math.ceil(longest / n)) for n in range(1, 129)}, reverse=True):
-        if L < 8 and L != longest:
-            continue
+    def cost(L: int) -> float:
         parts, steps = [], 0
         for c in run_chunks:
             ps = _split(c, math.ceil(c / L)) if c > 0 else []
             parts += ps
             steps = max(steps, len(ps) - 1)
-        t = _pass_time(parts, 4 * heads, sms) + COMPOSE_STEP_COST * steps
-        if best is None or t < best[0] - 1e-9:
-            best = (t, L)
-    return best[1]
+        return _pass_time(parts, 4 * heads, sms) + COMPOSE_STEP_COST * steps
+
+    return _best_length(run_chunks, "KDA_KCP_BWD_SUMMARY_CHUNKS", cost)
 
 
 def _seg_tables(plan, heads: int, device) -> SegTables:
@@ -535,10 +528,7 @@ def _state(x, n, H, none, name):
 def _pipeline() -> bool:
     """Whether the backward walks are pipelined with the gradient kernel (``_walk_groups``; the default;
     ``KDA_KCP_BWD_PIPELINE=0`` turns it off, for A/Bs)."""
-    v = os.environ.get("KDA_KCP_BWD_PIPELINE", "1").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"KDA_KCP_BWD_PIPELINE must be 0 or 1, got {v!r}")
-    return v == "1"
+    return env_choice("KDA_KCP_BWD_PIPELINE", "1", ("0", "1")) == "1"
 
 
 LATE_FRACTION = 0.75  # a run joins a group if its walk is at least this fraction of the group's longest one
@@ -547,12 +537,7 @@ MAX_WALK_GROUPS = 4  # (two streams each)
 
 def _max_walk_groups() -> int:
     """Walk groups at most (``KDA_KCP_BWD_WALK_GROUPS``, 2..4; default 4; 2 was the rule until session 16)."""
-    v = os.environ.get("KDA_KCP_BWD_WALK_GROUPS", "").strip()
-    if not v:
-        return MAX_WALK_GROUPS
-    if v not in ("2", "3", "4"):
-        raise ValueError(f"KDA_KCP_BWD_WALK_GROUPS must be 2, 3 or 4, got {v!r}")
-    return int(v)
+    return int(env_choice("KDA_KCP_BWD_WALK_GROUPS", str(MAX_WALK_GROUPS), ("2", "3", "4")))
 
 
 class WalkGroup:
@@ -616,9 +601,6 @@ def _walk_groups(plan, heads: int, device):
     return out
 
 
-_GROUP_STREAMS: dict = {}
-
-
 def _pipelined_walks_and_grads(groups, launch_walks, launch_grads, device) -> None:
     """Every group's walks, the longest group's first, each group's reverse and forward walk on two side streams
     of its own; each shorter group's gradients on its reverse walk's stream once both its walks end; the longest
@@ -632,9 +614,7 @@ def _pipelined_walks_and_grads(groups, launch_walks, launch_grads, device) -> No
             launch_grads(grp)
         return
     main = torch.cuda.current_stream(device)
-    pool = _GROUP_STREAMS.setdefault(main.device, [])
-    while len(pool) < 2 * len(groups):
-        pool.append(torch.cuda.Stream(device=main.device))
+    pool = side_streams("bwd_groups", main.device, 2 * len(groups))
     pairs = [(pool[2 * i], pool[2 * i + 1]) for i in range(len(groups))]
     for s in pool[: 2 * len(groups)]:
         s.wait_stream(main)  # the records and buffers carved so far

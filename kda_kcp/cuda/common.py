@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["_D", "_c", "check_tensors", "sm_count", "state_bytes"]
+__all__ = ["_D", "_c", "check_tensors", "sm_count", "state_bytes", "env_choice", "side_streams"]
 
 _D = 128  # the kernels' head dim (K = V)
 
@@ -54,3 +56,26 @@ def check_tensors(where: str, q, k, v, g, beta, do=None) -> None:
         want = (T, H) if name == "beta" else (T, H, _D)
         if tuple(t.shape) != want:
             raise ValueError(f"{where}: {name} must be {list(want)}, got {list(t.shape)}")
+
+
+def env_choice(var: str, default: str, choices: tuple) -> str:
+    """The value of the environment knob ``var`` (``default`` when unset or empty), one of ``choices``, else a
+    ValueError naming them."""
+    v = os.environ.get(var, "").strip() or default
+    if v not in choices:
+        allowed = ", ".join(choices[:-1]) + " or " + choices[-1]
+        raise ValueError(f"{var} must be {allowed}, got {v!r}")
+    return v
+
+
+_STREAMS: dict = {}
+
+
+def side_streams(name: str, device, n: int, priority: int = 0) -> list:
+    """``n`` CUDA streams of the pool ``name`` on ``device`` (made once, kept): the side streams a stage forks its
+    launches onto. Pools of different names never share a stream."""
+    device = torch.device(device)
+    pool = _STREAMS.setdefault((name, device, priority), [])
+    while len(pool) < n:
+        pool.append(torch.cuda.Stream(device=device, priority=priority))
+    return pool[:n]

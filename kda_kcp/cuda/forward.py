@@ -29,11 +29,12 @@ import torch
 
 from ..arena import Arena, tensor_bytes
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_tensors, sm_count, state_bytes
+from .common import _D, _c, check_tensors, env_choice, side_streams, sm_count, state_bytes
 
 __all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
            "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
-           "model_time", "run_groups", "run_group_tables", "early_runs", "early_arena_bytes"]
+           "model_time", "run_groups", "run_group_tables", "early_runs", "late_runs",
+           "early_arena_bytes"]
 
 CHUNK = 64
 RECORD_BYTES = 70144  # kda::kStagedRecordBytes
@@ -60,10 +61,7 @@ def _early_mode() -> str:
     incoming state is zero are walked on a side stream once this rank's summaries are done, beside the all-gather
     and the merge; 2: beside the summaries too. Opt-in while the A/B is incomplete (NOTES.md, session 19: 1 gained
     up to 1.3 ms on zigzag rows at W = 2 and was even or 0.1-0.2 ms slower on contiguous H = 16)."""
-    v = os.environ.get("KDA_KCP_FWD_EARLY", "").strip() or "0"
-    if v not in ("0", "1", "2"):
-        raise ValueError(f"KDA_KCP_FWD_EARLY must be 0, 1 or 2, got {v!r}")
-    return v
+    return env_choice("KDA_KCP_FWD_EARLY", "0", ("0", "1", "2"))
 
 
 def _early() -> bool:
@@ -83,6 +81,11 @@ def early_runs(plan) -> tuple:
     if not _early():
         return ()
     return tuple(i for i, run in enumerate(plan.runs) if run.starts_doc and run.length > 0)
+
+
+def late_runs(plan, early: tuple) -> tuple:
+    """The local runs the output pass walks after the exchange when ``early`` were walked before it."""
+    return tuple(r for r in range(plan.num_runs) if r not in early)
 
 
 def _split(nchunks: int, nseg: int) -> list[int]:
@@ -249,10 +252,7 @@ LAST_FRACTION = 0.75  # pipelined only if the last group's longest run is at mos
 
 def _pipeline() -> bool:
     """Whether a whole-run forward preps and walks by run group (``KDA_KCP_FWD_PIPELINE``: 1, the default, or 0)."""
-    v = os.environ.get("KDA_KCP_FWD_PIPELINE", "").strip() or "1"
-    if v not in ("0", "1"):
-        raise ValueError(f"KDA_KCP_FWD_PIPELINE must be 0 or 1, got {v!r}")
-    return v == "1"
+    return env_choice("KDA_KCP_FWD_PIPELINE", "1", ("0", "1")) == "1"
 
 
 def run_groups(lengths: dict, heads: int, sms: int) -> list:
@@ -314,17 +314,6 @@ def run_group_tables(plan, heads: int, device, sms: int | None = None):
     return out
 
 
-_GROUP_STREAMS: dict = {}
-
-
-def _group_streams(device, n: int, priority: int = 0) -> list:
-    main = torch.cuda.current_stream(device)
-    pool = _GROUP_STREAMS.setdefault((main.device, priority), [])
-    while len(pool) < n:
-        pool.append(torch.cuda.Stream(device=main.device, priority=priority))
-    return pool[:n]
-
-
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
 ENTRY_POINTS = ("fwd_prep", "fwd_walk_summary", "fwd_walk_output", "merge_fold", "merge_compose", "fwd_record_bytes")
 
@@ -365,8 +354,8 @@ def early_arena_bytes(plan, heads: int, device) -> tuple[int, int]:
     early = early_runs(plan)
     if not early:
         return 0, output_arena_bytes(plan, heads, device)
-    late = tuple(r for r in range(plan.num_runs) if r not in early)
-    return output_arena_bytes(plan, heads, device, early), output_arena_bytes(plan, heads, device, late)
+    return (output_arena_bytes(plan, heads, device, early),
+            output_arena_bytes(plan, heads, device, late_runs(plan, early)))
 
 
 def summaries_arena_bytes(plan, heads: int, run_ids, device) -> int:
@@ -459,7 +448,7 @@ class PreparedForward:
         self._o = torch.empty(self.q.shape[0], H, _D, dtype=torch.bfloat16, device=self.dev)
         tabs = forward_tables(self.plan, H, self.dev, out_runs=ids)
         carves = self._carve(tabs)
-        self._late = tuple(r for r in range(self.plan.num_runs) if r not in ids)
+        self._late = late_runs(self.plan, ids)
         records = None
         if _early_mode() == "2" and self.dev.type == "cuda":  # start beside this rank's summaries
             records = torch.cuda.Event()
@@ -469,7 +458,7 @@ class PreparedForward:
             if self.dev.type != "cuda":  # (the CPU emulation of the kernels)
                 self._output_pass(tabs, self.none, self._o, carves)
                 return
-            side = _group_streams(self.dev, 1)[0]
+            side = side_streams("fwd_early", self.dev, 1)[0]
             if records is not None:
                 ready = records
             if ready is not None:
@@ -545,7 +534,7 @@ class PreparedForward:
                 walk(grp)
             return
         main = torch.cuda.current_stream(self.dev)
-        streams = _group_streams(self.dev, len(groups), groups[0].priority)
+        streams = side_streams("fwd_groups", self.dev, len(groups), groups[0].priority)
         for grp, side in zip(groups, streams):
             self._prep(grp.ranges)
             side.wait_stream(main)  # this group's records (and o, the tables, the incoming states)
