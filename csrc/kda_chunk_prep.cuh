@@ -181,9 +181,13 @@ __device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, fl
       if constexpr (DO_Q) {
         const float x0 = (I > J || j <= i) ? accQ[n][e2 * 2] * scale : 0.f;
         const float x1 = (I > J || j + 1 <= i) ? accQ[n][e2 * 2 + 1] * scale : 0.f;
-        uint32_t hi, lo;
-        split2(x0, x1, hi, lo);
-        Rec::aqk(rec, I, J, r, c, hi, lo);
+        if constexpr (Rec::kBwd) {
+          uint32_t hi, lo;
+          split2(x0, x1, hi, lo);
+          Rec::aqk(rec, I, J, r, c, hi, lo);
+        } else {
+          Rec::aqk(rec, I, J, r, c, pack_f16(x0, x1));
+        }
       }
     }
 }
@@ -224,10 +228,12 @@ __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
 // The prep of chunk blockIdx.x, head blockIdx.y into `rec`. Rec (static members):
 //   kBwd                                       the backward's record (P, A, U; L from K_r x Cc hi + lo)
 //   gamma(rec)                                 fp32 [128] exp(G_63)
-//   aqk(rec, I, J, r, c, hi, lo)               Aqk pair (r, c), (r, c + 1) of lower block (I, J), hi + lo
+//   aqk(rec, I, J, r, c, hi, lo)               Aqk pair (r, c), (r, c + 1) of lower block (I, J), bf16 hi + lo;
+//                                              the forward's: aqk(rec, I, J, r, c, x), one fp16 pair
 //   w(rec, i, j, x0, x1)                       W pair (i, j), (i, j + 1)
-// forward only: qg_kg_piece(rec, p, qg, kg)   16-byte piece p of the staged sw128 Qg, Kg tiles
-//               ab(rec, I, J, r, c, hi, lo)   A diag(beta) pair of lower block (I, J)
+// forward only (its walk's operands are fp16, kda_fwd.cu):
+//               qg_kg_piece(rec, p, qg, kg)   16-byte piece p of the staged sw128 Qg, Kg tiles (fp16)
+//               ab(rec, I, J, r, c, x)        A diag(beta) pair of lower block (I, J), fp16
 // backward only: qg(rec), kg(rec) (bf16 [64][128]), p(rec) (fp32 [64][64]), a_hi(rec), a_lo(rec)
 //               (bf16 [64][64]), u(rec) (fp32 [64][128]), zero_upper(rec, p) (upper-block element p of
 //               P and Aqk)
@@ -252,8 +258,8 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   __nv_bfloat16* sAbh = reinterpret_cast<__nv_bfloat16*>(smem + P_ABH);
   __nv_bfloat16* sAbl = reinterpret_cast<__nv_bfloat16*>(smem + P_ABL);
   float* sL = reinterpret_cast<float*>(smem + P_L);
-  __nv_bfloat16* sQgS = reinterpret_cast<__nv_bfloat16*>(smem + P_QGS);
-  __nv_bfloat16* sKgS = reinterpret_cast<__nv_bfloat16*>(smem + P_KGS);
+  __half* sQgS = reinterpret_cast<__half*>(smem + P_QGS);  // the forward's Qg, Kg staged (fp16)
+  __half* sKgS = reinterpret_cast<__half*>(smem + P_KGS);
   float* sBeta = reinterpret_cast<float*>(smem + P_BETA);
   float* sTot = reinterpret_cast<float*>(smem + P_TOT);
   float* sGa = reinterpret_cast<float*>(smem + P_GA);
@@ -387,7 +393,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
       const int j = rq * 16 + i;
       const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrh + sw128(j, d0)));
       const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrl + sw128(j, d0)));
-      *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = pack_bf16((hi.x + lo.x) * ea0, (hi.y + lo.y) * ea1);
+      *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = pack_f16((hi.x + lo.x) * ea0, (hi.y + lo.y) * ea1);
     }
   }
   // ---- X = K o exp(G) over the dead Kr tile; the forward: Kg = K o exp(G_63 - G), staged ----
@@ -399,7 +405,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
       const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
       *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp(G0[i]), kf.y * fexp(G1[i]));
       if constexpr (!Rec::kBwd)
-        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = pack_bf16(kf.x * fexp(gl0 - G0[i]), kf.y * fexp(gl1 - G1[i]));
+        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = pack_f16(kf.x * fexp(gl0 - G0[i]), kf.y * fexp(gl1 - G1[i]));
     }
   }
 
@@ -440,7 +446,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     *reinterpret_cast<uint32_t*>(sAbl + sw64(i, j)) = lo;
     if constexpr (!Rec::kBwd) {
       const int I = i >> 4, J = j >> 4;
-      if (J <= I) Rec::ab(rec, I, J, i & 15, j & 15, hi, lo);
+      if (J <= I) Rec::ab(rec, I, J, i & 15, j & 15, pack_f16(x0, x1));
     }
   }
   if constexpr (Rec::kBwd) cp_async_wait_all();

@@ -1,9 +1,10 @@
-// Device helpers shared by the kda_kcp kernels: bf16 tensor-core mma (m16n8k16, portable to
+// Device helpers shared by the kda_kcp kernels: bf16 (and fp16) tensor-core mma (m16n8k16, portable to
 // sm_90a / sm_100a / sm_103a), ldmatrix fragment loads from XOR-swizzled shared tiles, cp.async, and the
 // sm_90a warpgroup mma (wgmma) where a kernel has one.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cstdint>
 
 namespace kda {
@@ -37,19 +38,29 @@ __device__ __forceinline__ void ldsm4t(uint32_t (&r)[4], const void* p) {
                : "r"(smem_u32(p)));
 }
 
-// D += A * B, A 16x16 bf16 (row), B 16x8 bf16 (col), D 16x8 fp32.
+// D += A * B, A 16x16 (row), B 16x8 (col), D 16x8 fp32; operands bf16, or fp16 when F16 (the forward walk's
+// operands under KDA_WALK_F16, below).
+template <bool F16 = false>
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (F16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // D0 | D1 += A * B over a k16 x n16 B fragment pair (b[0], b[1]: cols 0..7; b[2], b[3]: cols 8..15).
+template <bool F16 = false>
 __device__ __forceinline__ void mma_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
-  mma(d0, a, b[0], b[1]);
-  mma(d1, a, b[2], b[3]);
+  mma<F16>(d0, a, b[0], b[1]);
+  mma<F16>(d1, a, b[2], b[3]);
 }
 
 // FP32 as TF32 (cvt.rna: round to nearest, ties away from zero; the low 13 bits zero), and x split into
@@ -107,6 +118,24 @@ __device__ __forceinline__ void split_afrag(const float (&t0)[4], const float (&
   split2(t1[0], t1[1], hi[2], lo[2]);
   split2(t1[2], t1[3], hi[3], lo[3]);
 }
+// Two floats as an fp16 pair (round to nearest even; x in the low half), the word an f16 mma operand holds.
+__device__ __forceinline__ uint32_t pack_f16(float x, float y) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
+  return r;
+}
+// A bf16 pair as an fp16 pair (exact for |x| in [2^-14, 65504], which the walks' inputs are assumed to be).
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w) {
+  const float2 f = bf2_to_f2(w);
+  return pack_f16(f.x, f.y);
+}
+// A operand (16x16, fp16) from two adjacent m16n8 accumulator tiles, as split_afrag without the lo half.
+__device__ __forceinline__ void afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&a)[4]) {
+  a[0] = pack_f16(t0[0], t0[1]);
+  a[1] = pack_f16(t0[2], t0[3]);
+  a[2] = pack_f16(t1[0], t1[1]);
+  a[3] = pack_f16(t1[2], t1[3]);
+}
 // Negate a hi + lo operand pair: flips the sign bit of every bf16 (exact), so that an mma subtracts.
 __device__ __forceinline__ void negate_split(uint32_t (&hi)[4], uint32_t (&lo)[4]) {
 #pragma unroll
@@ -128,29 +157,29 @@ __device__ __forceinline__ int swz(int r, int c) {
 // permutes chunks within a row, the byte offset is (lane part) ^ (2 c0) + (row part): the lane part is
 // computed once per kernel and each fragment load costs one XOR, where swz<RL> on the full indices cost
 // a chain of integer ops per load (a third of the walks' issued instructions, ncu, NOTES.md session 5).
-template <int RL>
-__device__ __forceinline__ const __nv_bfloat16* frag_ptr(const __nv_bfloat16* t, int r0, int c0, int rl, int ch) {
+template <int RL, class T>
+__device__ __forceinline__ const T* frag_ptr(const T* t, int r0, int c0, int rl, int ch) {
   const int lane_part = rl * (2 * RL) + ((ch ^ (rl & 7)) << 4);
-  return reinterpret_cast<const __nv_bfloat16*>(reinterpret_cast<const char*>(t) + ((lane_part ^ (2 * c0)) + r0 * (2 * RL)));
+  return reinterpret_cast<const T*>(reinterpret_cast<const char*>(t) + ((lane_part ^ (2 * c0)) + r0 * (2 * RL)));
 }
-// A (16x16, rows m0.., cols k0..) from storage [m][k].
-template <int RL>
-__device__ __forceinline__ void lda(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+// A (16x16, rows m0.., cols k0..) from storage [m][k]; T: any 16-bit element type (bf16, fp16).
+template <int RL, class T>
+__device__ __forceinline__ void lda(uint32_t (&a)[4], const T* t, int m0, int k0, int lane) {
   ldsm4(a, frag_ptr<RL>(t, m0, k0, lane & 15, lane >> 4));
 }
 // A (16x16) from storage [k][m] (the tile holds A transposed).
-template <int RL>
-__device__ __forceinline__ void lda_t(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+template <int RL, class T>
+__device__ __forceinline__ void lda_t(uint32_t (&a)[4], const T* t, int m0, int k0, int lane) {
   ldsm4t(a, frag_ptr<RL>(t, k0, m0, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1));
 }
 // B for two n-tiles (k16 x n16): b[0],b[1] = tile n0..n0+7, b[2],b[3] = tile n0+8.. ; storage [n][k].
-template <int RL>
-__device__ __forceinline__ void ldb(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
+template <int RL, class T>
+__device__ __forceinline__ void ldb(uint32_t (&b)[4], const T* t, int k0, int n0, int lane) {
   ldsm4(b, frag_ptr<RL>(t, n0, k0, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1));
 }
 // Same from storage [k][n].
-template <int RL>
-__device__ __forceinline__ void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
+template <int RL, class T>
+__device__ __forceinline__ void ldb_t(uint32_t (&b)[4], const T* t, int k0, int n0, int lane) {
   ldsm4t(b, frag_ptr<RL>(t, k0, n0, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4));
 }
 
@@ -222,30 +251,41 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// D (this warp's 16 rows x 64 columns) += A (16 x 16, registers) B (16 x 64 via desc), FP32 accumulators
+// D (this warp's 16 rows x 64 columns) += A (16 x 16, registers) B (16 x 64 via desc), FP32 accumulators;
+// operands bf16, or fp16 when F16
+#define KDA_WGMMA_N64(T)                                                                              \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                      \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " "                                         \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "              \
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                     \
+      : KDA_WGMMA_ACC32(d)                                                                             \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1))
+template <bool F16 = false>
 __device__ __forceinline__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : KDA_WGMMA_ACC32(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+  if constexpr (F16) KDA_WGMMA_N64("f16");
+  else KDA_WGMMA_N64("bf16");
 }
 // D (this warp's 16 rows x 128 columns) += A (16 x 16, registers) B (16 x 128, MN-major via desc)
+#define KDA_WGMMA_N128_MN(T)                                                                          \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                      \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " "                                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "               \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "               \
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                                     \
+      : KDA_WGMMA_ACC64(d)                                                                             \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1))
+template <bool F16 = false>
 __device__ __forceinline__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : KDA_WGMMA_ACC64(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+  if constexpr (F16) KDA_WGMMA_N128_MN("f16");
+  else KDA_WGMMA_N128_MN("bf16");
 }
+#undef KDA_WGMMA_N128_MN
+#undef KDA_WGMMA_N64
 #undef KDA_WGMMA_ACC64
 #undef KDA_WGMMA_ACC32
 #undef KDA_WGMMA_TILE
@@ -256,7 +296,9 @@ __device__ void fence_async_smem();
 __device__ void wgmma_fence();
 __device__ void wgmma_commit();
 __device__ void wgmma_wait0();
+template <bool F16 = false>
 __device__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc);
+template <bool F16 = false>
 __device__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc);
 #endif
 // %nsmid: one more than the largest SM id (at least the SM count; only used to aim L2 hints)

@@ -1,8 +1,8 @@
 // KDA chunked forward (v4, "staged": DESIGN.md section 9 v1), head dim 128, chunk 64:
 //   1. prep_kernel, one CTA per (chunk, head), 2 CTAs per SM: cumsum, anchored operands, L and Aqk on
 //      tensor cores, A = (I + L)^-1 in FP32, W = A diag(beta) (K o exp G); writes one record per
-//      (chunk, head) (kda_fwd.h): -W, Qg, Kg (bf16), Aqk and A diag(beta) (bf16 hi + lo, lower
-//      blocks only), gamma (fp32). 1,096 B per token-head. -W, Qg and Kg are stored as two 64-key halves
+//      (chunk, head) (kda_fwd.h): -W, Qg, Kg, Aqk and A diag(beta) (fp16; Aqk and A diag(beta) lower
+//      blocks only), gamma (fp32). 936 B per token-head. -W, Qg and Kg are stored as two 64-key halves
 //      (swh), the layouts wgmma reads them in (K-major for -W and Qg, MN-major for Kg).
 //   2. walk_kernel<OUT, NW>, one CTA per (segment, head, value tile of 16 NW columns): the state columns
 //      of the tile in registers (mma accumulator layout, S transposed, one warp per 16 columns), chunks in
@@ -13,7 +13,9 @@
 //      chunk c is computed. OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
 //   3. the affine merge of segment summaries (FP32 states, 3xTF32 products; kda_affine_merge.cuh, shared with the
 //      backward).
-// Precision (NOTES.md): A diag(beta), Aqk and Aqk's operands, S and V_new carried as bf16 hi + lo.
+// Precision (NOTES.md, session 20): every walk operand is fp16 (11 significant bits), one tensor-core product
+// each, where bf16 needed hi + lo pairs (two or three products) for the same accuracy; S and V_new are rounded
+// to fp16 from their FP32 accumulators, V from bf16 (exact). Assumes |v| and the state's entries below 65504.
 #include "kda_chunk_prep.cuh"
 #include "kda_common.cuh"
 #include "kda_fwd.h"
@@ -30,14 +32,12 @@ constexpr int D = 128;   // head dim
 constexpr int R_W = 0;
 constexpr int R_QG = 16384;
 constexpr int R_KG = 32768;
-constexpr int R_AQH = 49152;
-constexpr int R_AQL = 54272;
-constexpr int R_GAM = 59392;
-constexpr int R_ABH = 59904;
-constexpr int R_ABL = 65024;
-constexpr int R_END = 70144;
+constexpr int R_AQK = 49152;
+constexpr int R_GAM = 54272;
+constexpr int R_AB = 54784;
+constexpr int R_END = 59904;
 static_assert(R_END == kFwdRecordBytes, "record layout");
-constexpr int TRI = 5120;  // bytes of 10 lower 16x16 bf16 blocks
+constexpr int TRI = 5120;  // bytes of 10 lower 16x16 fp16 blocks
 
 __device__ __forceinline__ int tri_blk(int I, int J) { return (I * (I + 1)) / 2 + J; }
 
@@ -53,12 +53,12 @@ __device__ __forceinline__ int swv(int r, int c) {
 __device__ __forceinline__ int tri_off(int blk, int r, int c) { return blk * 256 + swv<16>(r, c); }
 
 // B fragment (two n8 tiles, k16) of lower block blk, block stored [n][k]
-__device__ __forceinline__ void ldb_tri(uint32_t (&b)[4], const __nv_bfloat16* t, int blk, int lane) {
+__device__ __forceinline__ void ldb_tri(uint32_t (&b)[4], const __half* t, int blk, int lane) {
   ldsm4(b, t + tri_off(blk, (lane & 7) + ((lane >> 4) << 3), ((lane >> 3) & 1) << 3));
 }
 // A fragment (16x16) from storage [k][m] of a tile with RL-element rows
-template <int RL>
-__device__ __forceinline__ void lda_tv(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+template <int RL, class T>
+__device__ __forceinline__ void lda_tv(uint32_t (&a)[4], const T* t, int m0, int k0, int lane) {
   ldsm4t(a, t + swv<RL>(k0 + (lane & 7) + ((lane >> 4) << 3), m0 + (((lane >> 3) & 1) << 3)));
 }
 
@@ -72,9 +72,8 @@ __device__ __forceinline__ void st_u32(char* base, int elem, uint32_t x) {
 struct FwdRecord {
   static constexpr bool kBwd = false;
   static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + R_GAM); }
-  static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
-    st_u32(rec + R_AQH, tri_off(tri_blk(I, J), r, c), hi);
-    st_u32(rec + R_AQL, tri_off(tri_blk(I, J), r, c), lo);
+  static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t x) {
+    st_u32(rec + R_AQK, tri_off(tri_blk(I, J), r, c), x);
   }
   // piece p of the staged sw128 tile (row p / 16, chunk p % 16) goes to its swh place: the half (chunk / 8),
   // row and in-half chunk keep their values, so the swizzle carries over
@@ -83,12 +82,11 @@ struct FwdRecord {
     *reinterpret_cast<uint4*>(rec + R_QG + at) = qg;
     *reinterpret_cast<uint4*>(rec + R_KG + at) = kg;
   }
-  static __device__ __forceinline__ void ab(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
-    st_u32(rec + R_ABH, tri_off(tri_blk(I, J), r, c), hi);
-    st_u32(rec + R_ABL, tri_off(tri_blk(I, J), r, c), lo);
+  static __device__ __forceinline__ void ab(char* rec, int I, int J, int r, int c, uint32_t x) {
+    st_u32(rec + R_AB, tri_off(tri_blk(I, J), r, c), x);
   }
   static __device__ __forceinline__ void w(char* rec, int i, int j, float x0, float x1) {  // stored negated
-    st_u32(rec + R_W, swh(i, j), pack_bf16(-x0, -x1));
+    st_u32(rec + R_W, swh(i, j), pack_f16(-x0, -x1));
   }
 };
 
@@ -152,14 +150,13 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   const char* ws = static_cast<const char*>(a.ws);
   const __nv_bfloat16* vin = static_cast<const __nv_bfloat16*>(a.v);
 
-  const __nv_bfloat16* sW = reinterpret_cast<const __nv_bfloat16*>(smem + R_W);
-  const __nv_bfloat16* sQg = reinterpret_cast<const __nv_bfloat16*>(smem + R_QG);
-  const __nv_bfloat16* sKg = reinterpret_cast<const __nv_bfloat16*>(smem + R_KG);
-  const __nv_bfloat16* sAqh = reinterpret_cast<const __nv_bfloat16*>(smem + R_AQH);
-  const __nv_bfloat16* sAql = reinterpret_cast<const __nv_bfloat16*>(smem + R_AQL);
+  // the record's fp16 tiles (ldmatrix and the descriptors move 16-bit words: the element type only names them)
+  const __half* sW = reinterpret_cast<const __half*>(smem + R_W);
+  const __half* sQg = reinterpret_cast<const __half*>(smem + R_QG);
+  const __half* sKg = reinterpret_cast<const __half*>(smem + R_KG);
+  const __half* sAqk = reinterpret_cast<const __half*>(smem + R_AQK);
   const float* sGam = reinterpret_cast<const float*>(smem + R_GAM);
-  const __nv_bfloat16* sAbh = reinterpret_cast<const __nv_bfloat16*>(smem + R_ABH);
-  const __nv_bfloat16* sAbl = reinterpret_cast<const __nv_bfloat16*>(smem + R_ABL);
+  const __half* sAb = reinterpret_cast<const __half*>(smem + R_AB);
   __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + Cfg::S_V);
   __nv_bfloat16* sO = reinterpret_cast<__nv_bfloat16*>(smem + Cfg::S_O) + warp * (C * 16);
 
@@ -168,7 +165,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   // group A: A diag(beta) and the V tile (columns with a U term only)
   auto issue_a = [&](int ch, int2 ck) {
     if (isE) {
-      copy_range<NT>(smem, record(ch), R_ABH, 2 * TRI, tid);
+      copy_range<NT>(smem, record(ch), R_AB, TRI, tid);
       const int64_t tok = ck.x;
       const int nr = ck.y;
       constexpr int PPR = VT / 8;  // 16-byte pieces per row
@@ -182,10 +179,10 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   };
   // group WQ: -W (and Qg)
   auto issue_wq = [&](int ch) { copy_range<NT>(smem, record(ch), R_W, OUT ? 32768 : 16384, tid); };
-  // group AK: Kg, (Aqk hi + lo,) gamma
+  // group AK: Kg, (Aqk,) gamma
   auto issue_ak = [&](int ch) {
     if (OUT) {
-      copy_range<NT>(smem, record(ch), R_KG, R_ABH - R_KG, tid);
+      copy_range<NT>(smem, record(ch), R_KG, R_AB - R_KG, tid);
     } else {
       copy_range<NT>(smem, record(ch), R_KG, 16384, tid);
       copy_range<NT>(smem, record(ch), R_GAM, 512, tid);
@@ -242,13 +239,13 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
         uint32_t va[4];
         lda_tv<VT>(va, sV, wcol, ks * 16, lane);
 #pragma unroll
+        for (int e = 0; e < 4; ++e) va[e] = bf16x2_to_f16x2(va[e]);
+#pragma unroll
         for (int np = 0; np < 4; ++np) {
           if (ks <= np) {
-            uint32_t bh[4], bl[4];
-            ldb_tri(bh, sAbh, tri_blk(np, ks), lane);
-            ldb_tri(bl, sAbl, tri_blk(np, ks), lane);
-            mma_n16(VN[2 * np], VN[2 * np + 1], va, bh);
-            mma_n16(VN[2 * np], VN[2 * np + 1], va, bl);
+            uint32_t b[4];
+            ldb_tri(b, sAb, tri_blk(np, ks), lane);
+            mma_n16<true>(VN[2 * np], VN[2 * np + 1], va, b);
           }
         }
       }
@@ -260,13 +257,13 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     if (has_next) issue_a(ch + 1, next);
     cp_async_commit();
 
-    // ---- V_new^T = U^T + S^T (-W)^T ; O^T = S^T Qg^T (S as hi + lo; hi only under KDA_WALK_HI_ONLY) ----
+    // ---- V_new^T = U^T + S^T (-W)^T ; O^T = S^T Qg^T ----
     float O[8][4];
     zero_frags(O);
     if constexpr (Cfg::WGMMA) {
-      uint32_t sh[8][4], sl[8][4];
+      uint32_t sa[8][4];
 #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) split_afrag(ST[2 * ks], ST[2 * ks + 1], sh[ks], sl[ks]);
+      for (int ks = 0; ks < 8; ++ks) afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa[ks]);
       fence_frags(VN);
       fence_frags(O);
       wgmma_fence();  // VN (U) and the A registers were written by ordinary instructions
@@ -274,36 +271,29 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
         const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;  // half, then 32 bytes per 16 keys
-        wgmma_n64_rs(VN, sh[ks], dw + k);
-        if constexpr (kWalkSLo) wgmma_n64_rs(VN, sl[ks], dw + k);
-        if constexpr (OUT) {
-          wgmma_n64_rs(O, sh[ks], dq + k);
-          if constexpr (kWalkSLo) wgmma_n64_rs(O, sl[ks], dq + k);
-        }
+        wgmma_n64_rs<true>(VN, sa[ks], dw + k);
+        if constexpr (OUT) wgmma_n64_rs<true>(O, sa[ks], dq + k);
       }
       wgmma_commit();
       wgmma_wait0();
       fence_frags(VN);
       fence_frags(O);
-      fence_frags(sh);
-      fence_frags(sl);
+      fence_frags(sa);
     } else {
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
-        uint32_t sh[4], sl[4];
-        split_afrag(ST[2 * ks], ST[2 * ks + 1], sh, sl);
+        uint32_t sa[4];
+        afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa);
         const int hk = (ks >> 2) * 4096, k0 = (ks & 3) * 16;  // the 64-key half and the step inside it
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           uint32_t bw[4];
           ldb<64>(bw, sW + hk, k0, np * 16, lane);
-          mma_n16(VN[2 * np], VN[2 * np + 1], sh, bw);
-          if constexpr (kWalkSLo) mma_n16(VN[2 * np], VN[2 * np + 1], sl, bw);
+          mma_n16<true>(VN[2 * np], VN[2 * np + 1], sa, bw);
           if constexpr (OUT) {
             uint32_t bq[4];
             ldb<64>(bq, sQg + hk, k0, np * 16, lane);
-            mma_n16(O[2 * np], O[2 * np + 1], sh, bq);
-            if constexpr (kWalkSLo) mma_n16(O[2 * np], O[2 * np + 1], sl, bq);
+            mma_n16<true>(O[2 * np], O[2 * np + 1], sa, bq);
           }
         }
       }
@@ -315,12 +305,10 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     if (has_next) issue_wq(ch + 1);
     cp_async_commit();
 
-    // V_new^T as A operands (hi, lo), k = tokens
-    uint32_t vh[4][4], vl[4][4];
+    // V_new^T as A operands, k = tokens
+    uint32_t va[4][4];
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
-    }
+    for (int ks = 0; ks < 4; ++ks) afrag_f16(VN[2 * ks], VN[2 * ks + 1], va[ks]);
     if constexpr (OUT) {
       // O^T += V_new^T Aqk^T (lower blocks only)
 #pragma unroll
@@ -328,12 +316,9 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           if (ks <= np) {
-            uint32_t bh[4], bl[4];
-            ldb_tri(bh, sAqh, tri_blk(np, ks), lane);
-            ldb_tri(bl, sAql, tri_blk(np, ks), lane);
-            mma_n16(O[2 * np], O[2 * np + 1], vh[ks], bh);
-            mma_n16(O[2 * np], O[2 * np + 1], vl[ks], bh);
-            mma_n16(O[2 * np], O[2 * np + 1], vh[ks], bl);
+            uint32_t b[4];
+            ldb_tri(b, sAqk, tri_blk(np, ks), lane);
+            mma_n16<true>(O[2 * np], O[2 * np + 1], va[ks], b);
           }
         }
       }
@@ -372,23 +357,18 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     }
     if constexpr (Cfg::WGMMA) {
       fence_frags(ST);
-      fence_frags(vh);
-      fence_frags(vl);
+      fence_frags(va);
       wgmma_fence();  // ST (scaled by gamma) and V_new^T were written by ordinary instructions
       const uint64_t dk = sw128_desc(sKg, 8192);  // MN-major: the 64-key halves 8192 bytes apart
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        wgmma_n128_rs_mn(ST, vh[ks], dk + ks * (2048 >> 4));
-        if constexpr (!KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY) wgmma_n128_rs_mn(ST, vl[ks], dk + ks * (2048 >> 4));
-      }
+      for (int ks = 0; ks < 4; ++ks) wgmma_n128_rs_mn<true>(ST, va[ks], dk + ks * (2048 >> 4));
       wgmma_commit();
       wgmma_wait0();
       fence_frags(ST);
-      fence_frags(vh);
-      fence_frags(vl);
+      fence_frags(va);
     } else {
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) state_tile_rank16<true>(ST, vh[ks], vl[ks], sKg, ks, lane);
+      for (int ks = 0; ks < 4; ++ks) state_tile_rank16<true, true>(ST, va[ks], va[ks], sKg, ks, lane);
     }
     cur = next;
   }

@@ -9,16 +9,15 @@
 
 namespace kda {
 
-// Record of one (chunk, head), written by the prep kernel, read by the walks (byte offsets):
-//   0      -W      bf16 [64][128], 16-byte chunks XOR-swizzled by row (sw128)
-//   16384  Qg      bf16 [64][128] sw128, = s q o exp(G)
-//   32768  Kg      bf16 [64][128] sw128, = k o exp(G_63 - G)
-//   49152  Aqk hi  bf16, the 10 lower 16x16 blocks (block I(I+1)/2 + J), rows of 32 B, chunk ^ ((r >> 2) & 1)
-//   54272  Aqk lo
-//   59392  gamma   fp32 [128] = exp(G_63)
-//   59904  A diag(beta) hi  (10 lower blocks as for Aqk)
-//   65024  A diag(beta) lo
-constexpr int kFwdRecordBytes = 70144;
+// Record of one (chunk, head), written by the prep kernel, read by the walks (byte offsets). Every matrix is
+// fp16, the walk's operand type (kda_fwd.cu):
+//   0      -W      fp16 [64][128], 16-byte chunks XOR-swizzled by row (sw128)
+//   16384  Qg      fp16 [64][128] sw128, = s q o exp(G)
+//   32768  Kg      fp16 [64][128] sw128, = k o exp(G_63 - G)
+//   49152  Aqk     fp16, the 10 lower 16x16 blocks (block I(I+1)/2 + J), rows of 32 B, chunk ^ ((r >> 2) & 1)
+//   54272  gamma   fp32 [128] = exp(G_63)
+//   54784  A diag(beta)  fp16 (10 lower blocks as for Aqk)
+constexpr int kFwdRecordBytes = 59904;
 
 struct PrepArgs {
   const void* q;

@@ -56,7 +56,7 @@ def _build(out: Path) -> Path:
     """csrc/kda_bwd.cu, csrc/kda_fwd.cu and the affine merge, unchanged but for _emulated, in one library."""
     inc = out / "inc"
     inc.mkdir()
-    for f in ("cuda_runtime.h", "cuda_bf16.h", "kda_common.cuh"):
+    for f in ("cuda_runtime.h", "cuda_bf16.h", "cuda_fp16.h", "kda_common.cuh"):
         shutil.copy(EMU / f, inc / f)
     for f in ("kda_state_tile.cuh", "kda_chunk_prep.cuh"):  # their "kda_common.cuh" is then the emulated one
         shutil.copy(ROOT / "csrc" / f, inc / f)
@@ -153,7 +153,7 @@ def test_emulated_cp_async_lands_at_its_wait(tmp_path):
     wait_group 1 lands all but the newest group, wait_all lands the rest."""
     inc = tmp_path / "inc"
     inc.mkdir()
-    for f in ("cuda_runtime.h", "cuda_bf16.h", "kda_common.cuh"):
+    for f in ("cuda_runtime.h", "cuda_bf16.h", "cuda_fp16.h", "kda_common.cuh"):
         shutil.copy(EMU / f, inc / f)
     src = tmp_path / "probe.cpp"
     src.write_text(_emulated(_PROBE))

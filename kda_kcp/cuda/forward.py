@@ -1,6 +1,6 @@
 """The CUDA forward (csrc/kda_fwd.cu, "staged", v4 in NOTES.md): a parallel chunk prep, then V-tiled walks.
 
-    fwd_prep      one CTA per (chunk, head): writes a 70,144-byte record (-W, Qg, Kg, Aqk, A diag(beta),
+    fwd_prep      one CTA per (chunk, head): writes a 59,904-byte record (-W, Qg, Kg, Aqk, A diag(beta),
                   gamma) per (chunk, head) into a workspace
     walk_summary  one CTA per (segment, head, 16 NW of the 256 columns [M | E]): segment summaries from a
                   zero state (only for segments that are not the last of their run, or for fwd_summaries)
@@ -37,7 +37,7 @@ __all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summarie
            "early_arena_bytes"]
 
 CHUNK = 64
-RECORD_BYTES = 70144  # kda::kStagedRecordBytes
+RECORD_BYTES = 59904  # kda::kFwdRecordBytes (fp16 tiles, csrc/kda_fwd.h)
 
 # ---- cost model of one walk step (one chunk of one CTA), in units of an output step at NW = 4 ----
 SUMMARY_STEP = 0.57  # [M | E] tiles: (256 + 296) / 2 mma per warp against 484 (priced on the mma.sync walk)

@@ -1,8 +1,9 @@
 // CPU emulation of csrc/kda_common.cuh: the same helpers with the PTX semantics of ldmatrix (x4, .trans),
-// mma.m16n8k16 (bf16 in, FP32 accumulators; the products summed in FP64, so not bitwise the GPU) and
+// mma.m16n8k16 (bf16 or fp16 in, FP32 accumulators; the products summed in FP64, so not bitwise the GPU) and
 // cp.async (deferred to its wait, below). The kernels themselves are compiled from csrc unchanged.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cmath>
 #include <cstdint>
@@ -38,16 +39,20 @@ inline void ldsm(uint32_t (&r)[4], const void* p) {
 inline void ldsm4(uint32_t (&r)[4], const void* p) { ldsm<false>(r, p); }
 inline void ldsm4t(uint32_t (&r)[4], const void* p) { ldsm<true>(r, p); }
 inline float bf(uint32_t v, int hi) { __nv_bfloat16 b{uint16_t(hi ? v >> 16 : v & 0xffff)}; return __bfloat162float(b); }
+inline float hf(uint32_t v, int hi) { return f16_bits_to_f32(uint16_t(hi ? v >> 16 : v & 0xffff)); }
+// the 16-bit element e of a 32-bit operand word: bf16, or fp16 when F16
+template <bool F16> inline float elem(uint32_t v, int e) { return F16 ? hf(v, e) : bf(v, e); }
 // The warp's 16 x 16 A operand from its lanes' fragments (w->u[lane][0..3], the m16n8k16 A layout).
+template <bool F16 = false>
 inline void gather_a(const WarpCtx* w, float (&A)[16][16]) {
   for (int L = 0; L < 32; ++L) {
     const int g = L >> 2, t = L & 3;
     const uint32_t* u = w->u[L];
     for (int e = 0; e < 2; ++e) {
-      A[g][2 * t + e] = bf(u[0], e);
-      A[g + 8][2 * t + e] = bf(u[1], e);
-      A[g][2 * t + 8 + e] = bf(u[2], e);
-      A[g + 8][2 * t + 8 + e] = bf(u[3], e);
+      A[g][2 * t + e] = elem<F16>(u[0], e);
+      A[g + 8][2 * t + e] = elem<F16>(u[1], e);
+      A[g][2 * t + 8 + e] = elem<F16>(u[2], e);
+      A[g + 8][2 * t + 8 + e] = elem<F16>(u[3], e);
     }
   }
 }
@@ -73,16 +78,17 @@ inline void mma_acc(float (&d)[4], const float (&A)[16][K], const float (&B)[K][
     d[e] = float(s);
   }
 }
+template <bool F16 = false>
 inline void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   post_frags(a, b0, b1);
   WarpCtx* w = t_warp;
   float A[16][16], B[16][8];
-  gather_a(w, A);
+  gather_a<F16>(w, A);
   for (int L = 0; L < 32; ++L) {
     const int g = L >> 2, t = L & 3;
     for (int e = 0; e < 2; ++e) {
-      B[2 * t + e][g] = bf(w->u[L][4], e);
-      B[2 * t + 8 + e][g] = bf(w->u[L][5], e);
+      B[2 * t + e][g] = elem<F16>(w->u[L][4], e);
+      B[2 * t + 8 + e][g] = elem<F16>(w->u[L][5], e);
     }
   }
   mma_acc(d, A, B);
@@ -116,6 +122,14 @@ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
 }
 inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo).x, __float2bfloat16_rn(hi).x); }
 inline float2 bf2_to_f2(uint32_t w) { return make_float2(bf(w, 0), bf(w, 1)); }
+inline uint32_t pack_f16(float x, float y) { return pk(f32_to_f16_bits(x), f32_to_f16_bits(y)); }
+inline uint32_t bf16x2_to_f16x2(uint32_t w) { return pack_f16(bf(w, 0), bf(w, 1)); }
+inline void afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&a)[4]) {
+  a[0] = pack_f16(t0[0], t0[1]);
+  a[1] = pack_f16(t0[2], t0[3]);
+  a[2] = pack_f16(t1[0], t1[1]);
+  a[3] = pack_f16(t1[2], t1[3]);
+}
 inline void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
   __nv_bfloat16 hx = __float2bfloat16_rn(x), hy = __float2bfloat16_rn(y);
   hi = pk(hx.x, hy.x);
@@ -124,25 +138,25 @@ inline void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
 template <int RL> inline int swz(int r, int c) { if constexpr (RL == 128) return sw128(r, c); else return sw64(r, c); }
 // csrc's frag_ptr (the lane part XOR 2 c0, plus the row part), checked on every load against the plain
 // swizzle of the full indices: a caller whose block corner breaks its preconditions aborts the emulation.
-template <int RL> inline const __nv_bfloat16* frag_ptr(const __nv_bfloat16* t, int r0, int c0, int rl, int ch) {
+template <int RL, class T> inline const T* frag_ptr(const T* t, int r0, int c0, int rl, int ch) {
   const int lane_part = rl * (2 * RL) + ((ch ^ (rl & 7)) << 4);
   const char* p = reinterpret_cast<const char*>(t) + ((lane_part ^ (2 * c0)) + r0 * (2 * RL));
   if (p != reinterpret_cast<const char*>(t + swz<RL>(r0 + rl, c0 + 8 * ch))) {
     std::fprintf(stderr, "frag_ptr<%d>: corner (%d, %d) breaks its preconditions\n", RL, r0, c0);
     std::abort();
   }
-  return reinterpret_cast<const __nv_bfloat16*>(p);
+  return reinterpret_cast<const T*>(p);
 }
-template <int RL> inline void lda(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+template <int RL, class T> inline void lda(uint32_t (&a)[4], const T* t, int m0, int k0, int lane) {
   ldsm4(a, frag_ptr<RL>(t, m0, k0, lane & 15, lane >> 4));
 }
-template <int RL> inline void lda_t(uint32_t (&a)[4], const __nv_bfloat16* t, int m0, int k0, int lane) {
+template <int RL, class T> inline void lda_t(uint32_t (&a)[4], const T* t, int m0, int k0, int lane) {
   ldsm4t(a, frag_ptr<RL>(t, k0, m0, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1));
 }
-template <int RL> inline void ldb(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
+template <int RL, class T> inline void ldb(uint32_t (&b)[4], const T* t, int k0, int n0, int lane) {
   ldsm4(b, frag_ptr<RL>(t, n0, k0, (lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1));
 }
-template <int RL> inline void ldb_t(uint32_t (&b)[4], const __nv_bfloat16* t, int k0, int n0, int lane) {
+template <int RL, class T> inline void ldb_t(uint32_t (&b)[4], const T* t, int k0, int n0, int lane) {
   ldsm4t(b, frag_ptr<RL>(t, k0, n0, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4));
 }
 inline void st_global_pinned(void* p, uint32_t x) { std::memcpy(p, &x, 4); }
@@ -170,9 +184,10 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
 }
 inline void cp_async_commit() { t_async.pending.push_back(std::move(t_async.open)); t_async.open.clear(); }
 inline void cp_async_wait_all() { cp_async_commit(); t_async.wait(0); }
+template <bool F16 = false>
 inline void mma_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
-  mma(d0, a, b[0], b[1]);
-  mma(d1, a, b[2], b[3]);
+  mma<F16>(d0, a, b[0], b[1]);
+  mma<F16>(d1, a, b[2], b[3]);
 }
 template <int N> inline void zero_frags(float (&t)[N][4]) { for (int n = 0; n < N; ++n) for (int e = 0; e < 4; ++e) t[n][e] = 0.f; }
 inline void split_afrag(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
@@ -204,7 +219,7 @@ inline void fence_async_smem() {}
 inline void wgmma_fence() {}
 inline void wgmma_commit() {}
 inline void wgmma_wait0() {}
-template <int N8, bool MN>
+template <int N8, bool MN, bool F16>
 inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
   const uint32_t start = uint32_t(desc & 0x3FFF) << 4, sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
   const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFF) << 4;
@@ -217,14 +232,14 @@ inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
   for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
   w->bar.arrive_and_wait();
   float A[16][16];
-  gather_a(w, A);
+  gather_a<F16>(w, A);
   w->bar.arrive_and_wait();
   auto b = [&](int k, int n) {  // B(k, n): K-major rows are n, MN-major rows are k
     uint32_t addr = MN ? start + uint32_t(n >> 6) * lbo + uint32_t(k >> 3) * sbo + uint32_t(k & 7) * 128 + 2 * (n & 63)
                        : start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
     addr ^= ((addr >> 7) & 7) << 4;
-    __nv_bfloat16 x{b16at(g_smem, addr / 2)};
-    return __bfloat162float(x);
+    const uint16_t x = b16at(g_smem, addr / 2);
+    return F16 ? f16_bits_to_f32(x) : __bfloat162float(__nv_bfloat16{x});
   };
   const int g = l >> 2, t = l & 3;
   for (int n8 = 0; n8 < N8; ++n8)
@@ -235,6 +250,8 @@ inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
       d[n8][e] = float(s);
     }
 }
-inline void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<8, false>(d, a, desc); }
-inline void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<16, true>(d, a, desc); }
+template <bool F16 = false>
+inline void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<8, false, F16>(d, a, desc); }
+template <bool F16 = false>
+inline void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<16, true, F16>(d, a, desc); }
 }  // namespace kda
