@@ -129,6 +129,19 @@ __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w) {
   const float2 f = bf2_to_f2(w);
   return pack_f16(f.x, f.y);
 }
+// x ~= hi + lo with both fp16 (about 22 significant bits together, fewer where lo is subnormal: |x| < 2^-3).
+__device__ __forceinline__ void split2_f16(float x, float y, uint32_t& hi, uint32_t& lo) {
+  hi = pack_f16(x, y);
+  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  lo = pack_f16(x - h.x, y - h.y);
+}
+__device__ __forceinline__ void split_afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4],
+                                                uint32_t (&lo)[4]) {
+  split2_f16(t0[0], t0[1], hi[0], lo[0]);
+  split2_f16(t0[2], t0[3], hi[1], lo[1]);
+  split2_f16(t1[0], t1[1], hi[2], lo[2]);
+  split2_f16(t1[2], t1[3], hi[3], lo[3]);
+}
 // A operand (16x16, fp16) from two adjacent m16n8 accumulator tiles, as split_afrag without the lo half.
 __device__ __forceinline__ void afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&a)[4]) {
   a[0] = pack_f16(t0[0], t0[1]);

@@ -60,9 +60,9 @@ __device__ __forceinline__ void state_tile_store(float* dst, const float (&ST)[1
 }
 
 // ST += V^T B for one 16-token step ks: V^T the A operand (hi + lo), B bf16 stored [token][key], sw128 rows
-// (HALVES: two 64-key halves of sw64 rows, swh). F16: V^T and B fp16, one product (vl unused; the forward walk's
-// operands).
-template <bool HALVES = false, bool F16 = false, class T>
+// (HALVES: two 64-key halves of sw64 rows, swh). F16: V^T and B fp16 (the forward walk's operands). LO: the lo
+// half enters too.
+template <bool HALVES = false, bool F16 = false, bool LO = !KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY, class T>
 __device__ __forceinline__ void state_tile_rank16(float (&ST)[16][4], const uint32_t (&vh)[4], const uint32_t (&vl)[4],
                                                   const T* B, int ks, int lane) {
 #pragma unroll
@@ -72,9 +72,9 @@ __device__ __forceinline__ void state_tile_rank16(float (&ST)[16][4], const uint
     else ldb_t<128>(b, B, ks * 16, np * 16, lane);
     mma<F16>(ST[2 * np], vh, b[0], b[1]);
     mma<F16>(ST[2 * np + 1], vh, b[2], b[3]);
-    if constexpr (!F16 && !KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY) {  // V_new lo enters the rank-16 update
-      mma(ST[2 * np], vl, b[0], b[1]);
-      mma(ST[2 * np + 1], vl, b[2], b[3]);
+    if constexpr (LO) {  // V_new lo enters the rank-16 update
+      mma<F16>(ST[2 * np], vl, b[0], b[1]);
+      mma<F16>(ST[2 * np + 1], vl, b[2], b[3]);
     }
   }
 }

@@ -124,6 +124,16 @@ inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo
 inline float2 bf2_to_f2(uint32_t w) { return make_float2(bf(w, 0), bf(w, 1)); }
 inline uint32_t pack_f16(float x, float y) { return pk(f32_to_f16_bits(x), f32_to_f16_bits(y)); }
 inline uint32_t bf16x2_to_f16x2(uint32_t w) { return pack_f16(bf(w, 0), bf(w, 1)); }
+inline void split2_f16(float x, float y, uint32_t& hi, uint32_t& lo) {
+  hi = pack_f16(x, y);
+  lo = pack_f16(x - hf(hi, 0), y - hf(hi, 1));
+}
+inline void split_afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  split2_f16(t0[0], t0[1], hi[0], lo[0]);
+  split2_f16(t0[2], t0[3], hi[1], lo[1]);
+  split2_f16(t1[0], t1[1], hi[2], lo[2]);
+  split2_f16(t1[2], t1[3], hi[3], lo[3]);
+}
 inline void afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&a)[4]) {
   a[0] = pack_f16(t0[0], t0[1]);
   a[1] = pack_f16(t0[2], t0[3]);
