@@ -124,10 +124,23 @@ __device__ __forceinline__ uint32_t pack_f16(float x, float y) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
   return r;
 }
-// A bf16 pair as an fp16 pair (exact for |x| in [2^-14, 65504], which the walks' inputs are assumed to be).
-__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w) {
+// A bf16 pair times sc (a power of two) as an fp16 pair: exact while |x sc| lies in [2^-14, 65504].
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float sc) {
   const float2 f = bf2_to_f2(w);
-  return pack_f16(f.x, f.y);
+  return pack_f16(f.x * sc, f.y * sc);
+}
+// The largest |x| over the warp's lanes (every lane gets it).
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+// The power of two sc with m sc in [32, 64), for a finite m > 0: scaled by it, values up to m sit 2^10 below fp16's
+// largest and 2^19 above its smallest normal number (the forward walk's operand scale, kda_fwd.cu).
+__device__ __forceinline__ float operand_scale(float m) {
+  const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127;  // floor(log2 m) for a normal m
+  const int k = min(max(5 - e, -126), 127);
+  return __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
 }
 // x ~= hi + lo with both fp16 (about 22 significant bits together, fewer where lo is subnormal: |x| < 2^-3).
 __device__ __forceinline__ void split2_f16(float x, float y, uint32_t& hi, uint32_t& lo) {

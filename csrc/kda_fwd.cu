@@ -15,9 +15,10 @@
 //      backward).
 // Precision (NOTES.md, session 20): the walk's operands are fp16 (11 significant bits; bf16 has 8), one
 // tensor-core product each where bf16 needed hi + lo pairs (two or three products): W, Qg, Kg, Aqk and
-// A diag(beta) from the prep, S and V_new rounded from their FP32 accumulators, V converted from bf16 (exact).
-// Assumes |v| and the state's entries below fp16's 65504 (L2-normalised q, k and beta <= 1 keep the state at the
-// scale of v). Two roundings feed back into the state at every step and accumulate along a run, S's in
+// A diag(beta) from the prep, S and V_new rounded from their FP32 accumulators, V converted from bf16. fp16's range
+// is narrow (6e-5 .. 65504), so each warp scales its operands S, V, V_new by a power of two that follows the
+// largest |v| and |S_in| it has seen (walk_kernel below): any scale of v works (tests: v times 2^-20 gives o times
+// 2^-20 bit for bit). Two roundings feed back into the state at every step and accumulate along a run, S's in
 // V_new = U - W S and V_new's in the update; V_new enters the update as fp16 hi + lo (two products), which halves
 // the disagreement between segmentations of a run for little time. Two compile-time knobs for A/Bs (H200):
 //   KDA_FWD_VN_LO = 0: V_new hi only in the update: fwd -0.1 to -0.6 ms, but segmentations of one run then
@@ -134,6 +135,14 @@ struct WalkCfg {
                 "wgmma B tiles start on 1024-byte swizzle groups");
 };
 
+// ST *= r (a power of two: exact)
+__device__ __forceinline__ void rescale(float (&ST)[16][4], float r) {
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ST[nt][e] *= r;
+}
+
 template <int NT>
 __device__ __forceinline__ void copy_range(char* smem, const char* rec, int from, int bytes, int tid) {
   for (int p = tid; p < bytes / 16; p += NT) cp_async16(smem + from + p * 16, rec + from + p * 16, true);
@@ -228,6 +237,30 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
         ST[nt][e] = x;
       }
   }
+  // The fp16 operands' scale sc, a power of two per warp (a warp's value columns evolve apart from the others'):
+  // it holds the running max of |S_in| and of the V rows walked so far in [32, 64), so whatever v's scale the
+  // operands neither overflow (the state stays within ~2^10 of that max) nor fall into fp16's subnormals. ST holds
+  // S sc; o and the summaries leave unscaled. Powers of two scale exactly: results equal the unscaled walk's
+  // wherever that one's operands are normal fp16 numbers. A chunk whose V raises the max takes the new scale at
+  // the next chunk (the vote is then off the U products' path), unless its V would leave the old scale's
+  // headroom or no scale was set yet: then its U is formed again at the new scale (H200: fwd +0.0 / +0.13 / +0.0
+  // ms at H = 4 / 16 / 64 against no scale; the first form, a warp max before every chunk's U, cost +2-3 %).
+  float vmax = 0.f, sc = 1.f;
+  float sc_next = 1.f;  // the scale for the running max, taken up at the next chunk
+  {
+    float m = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(ST[nt][e]));
+    m = warp_max(m);
+    if (m > 0.f) {
+      vmax = m;
+      sc = operand_scale(m);
+      rescale(ST, sc);
+    }
+    sc_next = sc;
+  }
 
   int2 cur = make_int2(0, 0);  // chunk ch's (first token, rows)
   if (nchunks > 0) {
@@ -250,19 +283,45 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     float VN[8][4];
     zero_frags(VN);
     if (isE) {
+      if (sc_next != sc) {  // the running max grew last chunk: S at the new scale (exact)
+        rescale(ST, sc_next / sc);
+        sc = sc_next;
+      }
+      uint32_t va[4][4];
+      uint32_t mb = 0;  // this lane's largest |V| as bf16 bits (for bf16 pairs the magnitude orders as the bits)
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
-        uint32_t va[4];
-        lda_tv<VT>(va, sV, wcol, ks * 16, lane);
+        lda_tv<VT>(va[ks], sV, wcol, ks * 16, lane);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) va[e] = bf16x2_to_f16x2(va[e]);
+        for (int e = 0; e < 4; ++e) mb = __vmaxu2(mb, va[ks][e] & 0x7fff7fffu);
+      }
+      const float m = fmaxf(__uint_as_float(mb << 16), __uint_as_float(mb & 0xffff0000u));
+      auto u_product = [&]() {
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          if (ks <= np) {
-            uint32_t b[4];
-            ldb_tri(b, sAb, tri_blk(np, ks), lane);
-            mma_n16<true>(VN[2 * np], VN[2 * np + 1], va, b);
+        for (int ks = 0; ks < 4; ++ks) {
+          uint32_t vf[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) vf[e] = bf16x2_to_f16x2(va[ks][e], sc);
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            if (ks <= np) {
+              uint32_t b[4];
+              ldb_tri(b, sAb, tri_blk(np, ks), lane);
+              mma_n16<true>(VN[2 * np], VN[2 * np + 1], vf, b);
+            }
           }
+        }
+      };
+      u_product();
+      if (__any_sync(0xffffffffu, m > vmax)) {  // a larger V than any before (rare after the first chunks)
+        const bool first = vmax == 0.f;  // nothing seen yet (no incoming state): sc = 1 may suit nothing
+        vmax = warp_max(fmaxf(m, vmax));
+        sc_next = operand_scale(vmax);
+        if (first || vmax * sc >= 512.f) {  // else the headroom at the old scale holds this V: U stands
+          rescale(ST, sc_next / sc);
+          sc = sc_next;
+          zero_frags(VN);
+          u_product();
         }
       }
     }
@@ -348,14 +407,15 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
           }
         }
       }
-      // stage this warp's o (rows = tokens, 16 value columns), then 16-byte stores
+      // stage this warp's o (rows = tokens, 16 value columns; unscaled), then 16-byte stores
+      const float inv = 1.f / sc;
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = g4 + ((e >> 1) << 3);
           const int t = n * 8 + l4 * 2 + (e & 1);
-          sO[swv<16>(t, c)] = __float2bfloat16_rn(O[n][e]);
+          sO[swv<16>(t, c)] = __float2bfloat16_rn(O[n][e] * inv);
         }
       __syncwarp();
       const int64_t tok = cur.x;
@@ -407,13 +467,14 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 
   if constexpr (!OUT) {
     float* dst = (isE ? a.e_out : a.m_out) + (static_cast<int64_t>(idx) * H + h) * D * D;
+    const float inv = 1.f / sc;
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int v = vt0 + wcol + g4 + ((e >> 1) << 3);
         const int d = nt * 8 + l4 * 2 + (e & 1);
-        dst[d * D + v] = ST[nt][e];
+        dst[d * D + v] = ST[nt][e] * inv;
       }
   }
 }

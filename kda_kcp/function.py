@@ -93,7 +93,7 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
     if values_requested(validate):
-        check_values(g, beta, q, k, v, fp16_walk=backend.name == "cuda")
+        check_values(g, beta, q, k, v)
     return backend, scale
 
 

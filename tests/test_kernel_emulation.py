@@ -408,6 +408,30 @@ def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
         assert torch.equal(x, r), f"{name}: the lean backward differs from the replay one"
 
 
+def test_forward_operand_scale(emu, monkeypatch):
+    """The forward walk's fp16 operands, scaled per warp by a power of two that follows the largest |v| and |S_in|
+    seen (csrc/kda_fwd.cu), on the emulated kernels (2-chunk segments: summaries, fold, incoming states): v and
+    the initial states times 2^-20 give o times 2^-20 bit for bit; v and states times 1e-6, and v jumping by 2^12
+    inside a run, stay within o's bound against the FP64 torch backend."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    cu = [0, 70, 200]
+    plan, inputs, _, sin, _ = _case(cu, 1, 11)
+    q, k, v, g, beta = inputs
+    be = CudaBackend(True)
+    o = be.fwd_output(q, k, v, g, beta, SCALE, plan, sin)
+    o2 = be.fwd_output(q, k, v * 2.0**-20, g, beta, SCALE, plan, sin * 2.0**-20)
+    assert torch.equal(o2.float() * 2.0**20, o.float())
+    jump = torch.ones(cu[-1], 1, 1)
+    jump[100:] = 4096.0  # v jumps inside a chunk: the walk's scale steps down there (U again at the new scale)
+    for vf, sf, what in (((v.double() * 1e-6).bfloat16(), sin * 1e-6, "v and states times 1e-6"),
+                         ((v.double() * jump).bfloat16(), sin, "v jumping 2^12 up")):
+        o3 = be.fwd_output(q, k, vf, g, beta, SCALE, plan, sf)
+        ref = TorchBackend().fwd_output(*(x.double() for x in (q, k, vf, g, beta)), SCALE, plan, sf.double())
+        err = _rel(o3, ref)
+        print(f"emulated forward, {what}: o vs FP64 {err:.2e}")
+        assert err <= 4e-3
+
+
 @pytest.mark.parametrize("max_groups", ["2", "4"])
 def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_groups):
     """Whole-run walks (no segments) of runs of 2, 4 and 1 chunks. In at most 2 groups the run of 4 is the late

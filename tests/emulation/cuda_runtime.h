@@ -2,6 +2,7 @@
 // one OS thread per CUDA thread, a barrier per block (__syncthreads) and per warp (shuffles, ldmatrix,
 // mma), blocks run one after another over a 256 KiB shared-memory buffer filled with garbage first.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstddef>
 #include <cmath>
@@ -64,6 +65,21 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
   w->bar.arrive_and_wait();
   return r;
 }
+inline bool __any_sync(unsigned, bool pred) {
+  WarpCtx* w = t_warp;
+  w->f[t_lane] = pred ? 1.f : 0.f;
+  w->bar.arrive_and_wait();
+  bool any = false;
+  for (int l = 0; l < 32; ++l) any = any || w->f[l] != 0.f;
+  w->bar.arrive_and_wait();
+  return any;
+}
+// per 16-bit half: the larger unsigned value
+inline unsigned __vmaxu2(unsigned a, unsigned b) {
+  const unsigned lo = std::max(a & 0xffffu, b & 0xffffu), hi = std::max(a >> 16, b >> 16);
+  return lo | (hi << 16);
+}
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 template <class K, class A>
 inline void emu_launch(K kern, dim3 grid, int threads, int, cudaStream_t, const A& a) {
   for (unsigned z = 0; z < grid.z; ++z)

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -123,7 +124,19 @@ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
 inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo).x, __float2bfloat16_rn(hi).x); }
 inline float2 bf2_to_f2(uint32_t w) { return make_float2(bf(w, 0), bf(w, 1)); }
 inline uint32_t pack_f16(float x, float y) { return pk(f32_to_f16_bits(x), f32_to_f16_bits(y)); }
-inline uint32_t bf16x2_to_f16x2(uint32_t w) { return pack_f16(bf(w, 0), bf(w, 1)); }
+inline uint32_t bf16x2_to_f16x2(uint32_t w, float sc) { return pack_f16(bf(w, 0) * sc, bf(w, 1) * sc); }
+inline float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = std::fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+inline float operand_scale(float m) {
+  uint32_t u; std::memcpy(&u, &m, 4);
+  const int e = static_cast<int>((u >> 23) & 0xff) - 127;
+  const int k = std::min(std::max(5 - e, -126), 127);
+  const uint32_t r = static_cast<uint32_t>(k + 127) << 23;
+  float out; std::memcpy(&out, &r, 4);
+  return out;
+}
 inline void split2_f16(float x, float y, uint32_t& hi, uint32_t& lo) {
   hi = pack_f16(x, y);
   lo = pack_f16(x - hf(hi, 0), y - hf(hi, 1));

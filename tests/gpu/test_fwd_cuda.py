@@ -56,6 +56,39 @@ def test_fwd_matches_fp64_oracle(H, total, warps, monkeypatch):
     assert err <= 4e-3
 
 
+@pytest.mark.parametrize("seg_chunks", ["100000", "3"])
+def test_scale_of_v_does_not_matter(seg_chunks, monkeypatch):
+    """The walk's fp16 operands are scaled per warp by a power of two that follows the largest |v| and |S_in| seen
+    (csrc/kda_fwd.cu): v times 2^p gives o times 2^p bit for bit (whole runs; 3-chunk segments, whose summaries,
+    fold and incoming states scale with v), with an initial state scaled alike; and o stays within the oracle bound
+    (against the torch backend in FP64) for v and the initial state of RMS 1e-6 and 1e4, where unscaled fp16
+    operands would leave their range."""
+    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", seg_chunks)
+    gen = torch.Generator().manual_seed(SEED + 21)
+    cu = [0, 700, 701, 2000]
+    q, k, v, g, beta = make_inputs(cu[-1], 2, gen, gate="mixed")
+    s0 = (0.5 * torch.randn(3, 2, 128, 128, generator=gen)).to(DEV)
+    plan = local_plan(cu)
+    scale = 128**-0.5
+    o = run_fwd(CudaBackend(), (q, k, v, g, beta), scale, plan, s0)
+    for p in (-20, 12):
+        o2 = run_fwd(CudaBackend(), (q, k, v * 2.0**p, g, beta), scale, plan, s0 * 2.0**p)
+        assert torch.equal(o2.float() * 2.0**-p, o.float()), f"v times 2^{p}: o is not o times 2^{p}"
+    # v jumping inside the runs (by 2^12 up, then 2^-16 down): the scale steps down at once (U again), then up
+    jump = torch.ones(cu[-1], 1, 1, device=DEV)
+    jump[300:1500] = 4096.0
+    jump[1500:] = 4096.0 * 2.0**-16
+    cases = ((v.double() * 1e-6, s0 * 1e-6, "v and S_in times 1e-6"), (v.double() * 1e4, s0 * 1e4, "v and S_in times 1e4"),
+             (v.double() * jump, s0, "v jumping 2^12 up, then 2^-16 down"))
+    for vf, sf, what in cases:
+        vf = vf.bfloat16()
+        o3 = run_fwd(CudaBackend(), (q, k, vf, g, beta), scale, plan, sf)
+        ref = TorchBackend().fwd_output(*(x.double() for x in (q, k, vf, g, beta)), scale, plan, sf.double())
+        err = rel(o3, ref)
+        print(f"segments of {seg_chunks}: {what}: o rel-RMS vs the FP64 torch backend {err:.2e}")
+        assert err <= 4e-3
+
+
 def test_fwd_benchmark_slice():
     """Slices of the benchmark batch's documents (first 2048 tokens of each of the 4), H = 4."""
     gen = torch.Generator().manual_seed(SEED + 7)
