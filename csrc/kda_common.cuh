@@ -109,20 +109,31 @@ __device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t&
   hi = *reinterpret_cast<uint32_t*>(&h);
   lo = *reinterpret_cast<uint32_t*>(&l);
 }
-// A operand (16x16, hi + lo) from two adjacent m16n8 accumulator tiles t0 (cols 0..7), t1 (cols 8..15):
-// the accumulator layout of D is the register layout of an A fragment, so no shuffles are needed.
-__device__ __forceinline__ void split_afrag(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4],
-                                            uint32_t (&lo)[4]) {
-  split2(t0[0], t0[1], hi[0], lo[0]);
-  split2(t0[2], t0[3], hi[1], lo[1]);
-  split2(t1[0], t1[1], hi[2], lo[2]);
-  split2(t1[2], t1[3], hi[3], lo[3]);
-}
 // Two floats as an fp16 pair (round to nearest even; x in the low half), the word an f16 mma operand holds.
 __device__ __forceinline__ uint32_t pack_f16(float x, float y) {
   uint32_t r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
   return r;
+}
+// x ~= hi + lo with both fp16 (about 22 significant bits together, fewer where lo is subnormal: |x| < 2^-3).
+__device__ __forceinline__ void split2_f16(float x, float y, uint32_t& hi, uint32_t& lo) {
+  hi = pack_f16(x, y);
+  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+  lo = pack_f16(x - h.x, y - h.y);
+}
+// A operand (16x16, hi + lo; bf16, or fp16 when F16) from two adjacent m16n8 accumulator tiles t0 (cols 0..7),
+// t1 (cols 8..15): the accumulator layout of D is the register layout of an A fragment, so no shuffles are needed.
+template <bool F16 = false>
+__device__ __forceinline__ void split_afrag(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4],
+                                            uint32_t (&lo)[4]) {
+  auto split = [](float x, float y, uint32_t& h, uint32_t& l) {
+    if constexpr (F16) split2_f16(x, y, h, l);
+    else split2(x, y, h, l);
+  };
+  split(t0[0], t0[1], hi[0], lo[0]);
+  split(t0[2], t0[3], hi[1], lo[1]);
+  split(t1[0], t1[1], hi[2], lo[2]);
+  split(t1[2], t1[3], hi[3], lo[3]);
 }
 // A bf16 pair times sc (a power of two) as an fp16 pair: exact while |x sc| lies in [2^-14, 65504].
 __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float sc) {
@@ -141,19 +152,6 @@ __device__ __forceinline__ float operand_scale(float m) {
   const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127;  // floor(log2 m) for a normal m
   const int k = min(max(5 - e, -126), 127);
   return __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
-}
-// x ~= hi + lo with both fp16 (about 22 significant bits together, fewer where lo is subnormal: |x| < 2^-3).
-__device__ __forceinline__ void split2_f16(float x, float y, uint32_t& hi, uint32_t& lo) {
-  hi = pack_f16(x, y);
-  const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
-  lo = pack_f16(x - h.x, y - h.y);
-}
-__device__ __forceinline__ void split_afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4],
-                                                uint32_t (&lo)[4]) {
-  split2_f16(t0[0], t0[1], hi[0], lo[0]);
-  split2_f16(t0[2], t0[3], hi[1], lo[1]);
-  split2_f16(t1[0], t1[1], hi[2], lo[2]);
-  split2_f16(t1[2], t1[3], hi[3], lo[3]);
 }
 // A operand (16x16, fp16) from two adjacent m16n8 accumulator tiles, as split_afrag without the lo half.
 __device__ __forceinline__ void afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&a)[4]) {

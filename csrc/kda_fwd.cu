@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       uint32_t sa[8][4], sl[8][4];
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
-        if constexpr (kSLo) split_afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa[ks], sl[ks]);
+        if constexpr (kSLo) split_afrag<true>(ST[2 * ks], ST[2 * ks + 1], sa[ks], sl[ks]);
         else afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa[ks]);
       }
       fence_frags(VN);
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
         uint32_t sa[4], sl[4];
-        if constexpr (kSLo) split_afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa, sl);
+        if constexpr (kSLo) split_afrag<true>(ST[2 * ks], ST[2 * ks + 1], sa, sl);
         else afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa);
         const int hk = (ks >> 2) * 4096, k0 = (ks & 3) * 16;  // the 64-key half and the step inside it
 #pragma unroll
@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     uint32_t va[4][4], vl[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      if constexpr (kVnLo) split_afrag_f16(VN[2 * ks], VN[2 * ks + 1], va[ks], vl[ks]);
+      if constexpr (kVnLo) split_afrag<true>(VN[2 * ks], VN[2 * ks + 1], va[ks], vl[ks]);
       else afrag_f16(VN[2 * ks], VN[2 * ks + 1], va[ks]);
     }
     if constexpr (OUT) {

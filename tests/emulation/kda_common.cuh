@@ -141,12 +141,6 @@ inline void split2_f16(float x, float y, uint32_t& hi, uint32_t& lo) {
   hi = pack_f16(x, y);
   lo = pack_f16(x - hf(hi, 0), y - hf(hi, 1));
 }
-inline void split_afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  split2_f16(t0[0], t0[1], hi[0], lo[0]);
-  split2_f16(t0[2], t0[3], hi[1], lo[1]);
-  split2_f16(t1[0], t1[1], hi[2], lo[2]);
-  split2_f16(t1[2], t1[3], hi[3], lo[3]);
-}
 inline void afrag_f16(const float (&t0)[4], const float (&t1)[4], uint32_t (&a)[4]) {
   a[0] = pack_f16(t0[0], t0[1]);
   a[1] = pack_f16(t0[2], t0[3]);
@@ -213,11 +207,13 @@ inline void mma_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], cons
   mma<F16>(d1, a, b[2], b[3]);
 }
 template <int N> inline void zero_frags(float (&t)[N][4]) { for (int n = 0; n < N; ++n) for (int e = 0; e < 4; ++e) t[n][e] = 0.f; }
+template <bool F16 = false>
 inline void split_afrag(const float (&t0)[4], const float (&t1)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  split2(t0[0], t0[1], hi[0], lo[0]);
-  split2(t0[2], t0[3], hi[1], lo[1]);
-  split2(t1[0], t1[1], hi[2], lo[2]);
-  split2(t1[2], t1[3], hi[3], lo[3]);
+  for (int i = 0; i < 4; ++i) {  // register i: elements 2 (i & 1), + 1 of tile i >> 1
+    const float* x = (i < 2 ? t0 : t1) + 2 * (i & 1);
+    if constexpr (F16) split2_f16(x[0], x[1], hi[i], lo[i]);
+    else split2(x[0], x[1], hi[i], lo[i]);
+  }
 }
 inline void negate_split(uint32_t (&hi)[4], uint32_t (&lo)[4]) { for (int e = 0; e < 4; ++e) { hi[e] ^= 0x80008000u; lo[e] ^= 0x80008000u; } }
 inline void cp_async_wait1() { t_async.wait(1); }
