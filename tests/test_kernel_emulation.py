@@ -8,7 +8,7 @@ Checked: the backward's prep records, h and dh of the walks, their V_new and dV_
 segment summaries against the torch walks; the gradient kernel at 16 warps (the default) and 8 warps
 against the torch backward; and the whole CUDA path (kda_kcp.cuda's wrappers: plans, tables, segmented
 walks, folds, the workspace arena, the lean backward) with the emulated kernels standing for the loaded
-programs, against the FP64 oracle, at W = 1 and at W = 2 over gloo (every layout). About six minutes on two cores."""
+programs, against the FP64 oracle, at W = 1 and at W = 2 over gloo (every layout). About nine minutes on two cores."""
 
 from __future__ import annotations
 
