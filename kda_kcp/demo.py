@@ -117,7 +117,7 @@ def _worker(rank, world, init_file, docs, heads, dim, use_cuda, ref_file):
         dist.destroy_process_group()
     # Done: leave without the interpreter's teardown, where gloo's threads abort about one exit in 20 after a clean
     # destroy_process_group (torch 2.13 on CPU: "terminate called without an active exception"; 3 of 64 W = 2 demo
-    # runs, 0 of 40 with this exit). Not reached when the rank raised, so mp.spawn still reports a failure.
+    # runs, 0 of 39 with this exit). Not reached when the rank raised, so mp.spawn still reports a failure.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
