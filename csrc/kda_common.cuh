@@ -38,8 +38,8 @@ __device__ __forceinline__ void ldsm4t(uint32_t (&r)[4], const void* p) {
                : "r"(smem_u32(p)));
 }
 
-// D += A * B, A 16x16 (row), B 16x8 (col), D 16x8 fp32; operands bf16, or fp16 when F16 (the forward walk's
-// operands under KDA_WALK_F16, below).
+// D += A * B, A 16x16 (row), B 16x8 (col), D 16x8 fp32; operands bf16, or fp16 when F16 (the forward walk's,
+// csrc/kda_fwd.cu).
 template <bool F16 = false>
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (F16)

@@ -257,8 +257,7 @@ inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
     uint32_t addr = MN ? start + uint32_t(n >> 6) * lbo + uint32_t(k >> 3) * sbo + uint32_t(k & 7) * 128 + 2 * (n & 63)
                        : start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
     addr ^= ((addr >> 7) & 7) << 4;
-    const uint16_t x = b16at(g_smem, addr / 2);
-    return F16 ? f16_bits_to_f32(x) : __bfloat162float(__nv_bfloat16{x});
+    return elem<F16>(b16at(g_smem, addr / 2), 0);
   };
   const int g = l >> 2, t = l & 3;
   for (int n8 = 0; n8 < N8; ++n8)
