@@ -52,7 +52,7 @@ def _emulated(src: str) -> str:
     return re.sub(r"([\w:]+(?:<[\w, ]+>)?)<<<(.*?)>>>\((\w+)\);", r"emu_launch(\1, \2, \3);", s)
 
 
-def _build(out: Path) -> Path:
+def _build(out: Path, defines: tuple[str, ...] = ()) -> Path:
     """csrc/kda_bwd.cu, csrc/kda_fwd.cu and the affine merge, unchanged but for _emulated, in one library."""
     inc = out / "inc"
     inc.mkdir()
@@ -68,6 +68,7 @@ def _build(out: Path) -> Path:
     lib = out / "libkda_emu.so"
     subprocess.run(["g++", "-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", f"-I{inc}", f"-I{ROOT / 'csrc'}",
                     *os.environ.get("KDA_EMU_DEFINES", "").split(),  # e.g. -DKDA_BWD_SPLIT=80: a variant's build
+                    *defines,
                     "-x", "c++", *map(str, units), str(EMU / "driver.cpp"), "-o", str(lib)], check=True)
     return lib
 
@@ -75,6 +76,12 @@ def _build(out: Path) -> Path:
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
     return ctypes.CDLL(str(_build(tmp_path_factory.mktemp("kda_emu"))))
+
+
+@pytest.fixture(scope="module")
+def emu_eager(tmp_path_factory):
+    """The same kernels with every cp.async landing at its issue as well as at its wait."""
+    return ctypes.CDLL(str(_build(tmp_path_factory.mktemp("kda_emu_eager"), ("-DKDA_EMU_CP_ASYNC_EAGER",))))
 
 
 def _p(t):
@@ -406,6 +413,24 @@ def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
     lean_grads = function.backward_kcp(do, saved, ctx, lean)
     for name, x, r in zip(NAMES, lean_grads, grads):
         assert torch.equal(x, r), f"{name}: the lean backward differs from the replay one"
+
+
+def test_cp_async_requests_go_into_dead_tiles(emu, emu_eager, monkeypatch):
+    """Every cp.async request of the kernels targets shared memory that no thread reads again before the
+    request's wait: with each copy landing at its issue (the earliest the GPU may land it) a W = 1 forward +
+    backward (segmented walks, folds, records, gradients) is bitwise the one with copies landing at their waits
+    (the latest). A request moved ahead of a tile's last read (a prefetch into a live tile) fails here."""
+    cu = [0, 70, 300]
+    plan, inputs, do, _, _ = _case(cu, 1, 13)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu))
+    res = []
+    for lib in (emu, emu_eager):
+        with monkeypatch.context() as m:
+            _use_emulated_programs(lib, m.setattr, m.setenv)
+            o, saved = function.forward_kcp(*inputs, ctx, None, True, None)
+            res.append((o, *function.backward_kcp(do, saved, ctx, None)))
+    for name, x, y in zip(("o", *NAMES), *res):
+        assert torch.isfinite(x.float()).all() and torch.equal(x, y), f"{name}: copies landing at issue change it"
 
 
 def test_forward_operand_scale(emu, monkeypatch):

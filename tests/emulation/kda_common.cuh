@@ -183,6 +183,8 @@ inline int2 ld_global_pinned_int2(const int32_t* p) { return make_int2(p[0], p[1
 // cp.async with its ordering: a copy lands only when its thread waits for its group (wait_group N leaves the
 // N newest committed groups in flight, wait_all lands everything, uncommitted copies included), so a kernel
 // that reads a tile before waiting for it reads stale shared memory here too. The source is read at issue.
+// With KDA_EMU_CP_ASYNC_EAGER a copy also lands at its issue (and again at its wait): a kernel that requests
+// into a tile other threads still read then reads the new data too early.
 struct AsyncCopy { void* dst; unsigned char bytes[16]; };
 struct AsyncGroups {
   std::vector<AsyncCopy> open;                  // issued, not yet committed
@@ -197,6 +199,10 @@ inline int thread_index() { return static_cast<int>(threadIdx.x); }
 inline void cp_async16(void* dst, const void* src, bool valid) {
   AsyncCopy c{dst, {}};
   if (valid) std::memcpy(c.bytes, src, 16);
+#ifdef KDA_EMU_CP_ASYNC_EAGER
+  // the other extreme: every copy lands at its issue, so a request into a tile that is still read fails
+  std::memcpy(dst, c.bytes, 16);
+#endif
   t_async.open.push_back(c);
 }
 inline void cp_async_commit() { t_async.pending.push_back(std::move(t_async.open)); t_async.open.clear(); }
