@@ -312,7 +312,8 @@ def _scaled_alike(got, ref, f, what):
     """got == ref * f[name] for powers of two f: the bf16 gradients bit for bit; dg (FP32) within FP32 rounding,
     since a few of its elements do not scale exactly (seen on main's kernels in session 23: 80-2,600 of 512,000
     elements differ, by at most 2.4e-6 of dg's RMS, under dO times 2^-20 .. 2^12; bf16 rounding hides the like
-    in dbeta; likely FP32 subnormals in the anchored pairwise products, whose factors reach e^-75)."""
+    in dbeta; with the gates clamped at -1 per token it scales bit for bit: FP32 subnormals, most likely in the
+    anchored pairwise products, whose factors reach e^-75)."""
     for name, x, r in zip(NAMES, got, ref):
         a, b = x.float(), r.float() * f[name]
         if name == "dg":
