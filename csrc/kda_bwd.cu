@@ -232,6 +232,7 @@ __device__ __forceinline__ void cumsum_rows(float* t, int tid) {
 // ================================================================================================
 struct BwdRecord {
   static constexpr bool kBwd = true;
+  static constexpr bool kChunkMajor = false;  // blockIdx.x = chunk, blockIdx.y = head
   static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + kRecGam); }
   static __device__ __forceinline__ bf16* qg(char* rec) { return reinterpret_cast<bf16*>(rec + kRecQg); }
   static __device__ __forceinline__ bf16* kg(char* rec) { return reinterpret_cast<bf16*>(rec + kRecKg); }
@@ -257,8 +258,9 @@ struct BwdRecord {
 __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   const chunk_prep::Inputs in{a.q, a.k, a.v, a.g, a.beta, a.chunks, a.H, a.scale};
-  char* rec = a.prep + (static_cast<int64_t>(blockIdx.x) * a.H + blockIdx.y) * kPrepBytes;
-  chunk_prep::prep_chunk<BwdRecord>(in, rec, smem);
+  const int2 at = chunk_prep::own_chunk_head<BwdRecord>(a.H);
+  char* rec = a.prep + (static_cast<int64_t>(at.x) * a.H + at.y) * kPrepBytes;
+  chunk_prep::prep_chunk<BwdRecord>(in, rec, smem, at.x, at.y);
 }
 
 // ================================================================================================

@@ -204,14 +204,43 @@ struct Inputs {
   float scale;
 };
 
+// A prep CTA's (chunk, head) from its place in launch order (linear block index b). The forward's prep is chunk-major
+// (a 1-D grid, every head of a chunk before the next chunk: CTAs that run at once read neighbouring token rows and
+// write neighbouring records; H200, ncu, H = 16: the four groups' preps 1.59 / 1.32 / 1.04 / 0.76 -> 1.56 / 1.29 /
+// 1.02 / 0.75 ms against head-major, NOTES.md session 24); the backward's is head-major (blockIdx.x = chunk,
+// blockIdx.y = head).
+template <class Rec>
+__device__ __forceinline__ int64_t launch_index() {
+  if constexpr (Rec::kChunkMajor) return blockIdx.x;
+  else return static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+}
+__device__ __forceinline__ int64_t launch_count() { return static_cast<int64_t>(gridDim.x) * gridDim.y; }
+template <class Rec>
+__device__ __forceinline__ int2 chunk_head(int64_t b, int H) {
+  if constexpr (Rec::kChunkMajor) return make_int2(static_cast<int>(b / H), static_cast<int>(b % H));
+  else return make_int2(static_cast<int>(b % gridDim.x), static_cast<int>(b / gridDim.x));
+}
+// the same for this CTA (32-bit arithmetic)
+template <class Rec>
+__device__ __forceinline__ int2 own_chunk_head(int H) {
+  if constexpr (Rec::kChunkMajor) {
+    const unsigned c = blockIdx.x / static_cast<unsigned>(H);
+    return make_int2(static_cast<int>(c), static_cast<int>(blockIdx.x - c * H));
+  } else {
+    return make_int2(static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y));
+  }
+}
+
 // Pull into L2 the g, k and q rows of the CTA about one wave later in launch order (linear block index + 2 x SMs:
 // two prep CTAs fit an SM), so that its loads at its start hit L2. Called before W, a few microseconds before that
 // CTA starts: session 8 pulled a whole CTA lifetime early and lost to evictions; session 12 measured this one
 // (fwd prep 5.1 -> 4.7 ms at H = 16, NOTES). A hint only: a wrong guess costs bandwidth, never correctness.
+template <class Rec>
 __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
-  const int64_t b = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x + 2 * sm_count();
-  if (b >= static_cast<int64_t>(gridDim.x) * gridDim.y) return;
-  const int ci = static_cast<int>(b % gridDim.x), h = static_cast<int>(b / gridDim.x);
+  const int64_t b = launch_index<Rec>() + 2 * sm_count();
+  if (b >= launch_count()) return;
+  const int2 at = chunk_head<Rec>(b, a.H);
+  const int ci = at.x, h = at.y;
   const int64_t tok = a.chunks[2 * ci];
   const int nrows = a.chunks[2 * ci + 1];
   for (int p = tid; p < C * 8; p += NT) {  // per row: g 4 lines of 128 bytes, k and q 2 each
@@ -225,8 +254,9 @@ __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
   }
 }
 
-// The prep of chunk blockIdx.x, head blockIdx.y into `rec`. Rec (static members):
+// The prep of chunk ci, head h (chunk_head of the CTA) into `rec`. Rec (static members):
 //   kBwd                                       the backward's record (P, A, U; L from K_r x Cc hi + lo)
+//   kChunkMajor                                the launch order (chunk_head)
 //   gamma(rec)                                 fp32 [128] exp(G_63)
 //   aqk(rec, I, J, r, c, hi, lo)               Aqk pair (r, c), (r, c + 1) of lower block (I, J), bf16 hi + lo;
 //                                              the forward's: aqk(rec, I, J, r, c, x), one fp16 pair
@@ -238,9 +268,9 @@ __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
 //               (bf16 [64][64]), u(rec) (fp32 [64][128]), zero_upper(rec, p) (upper-block element p of
 //               P and Aqk)
 template <class Rec>
-__device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* smem) {
+__device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* smem, int ci, int h) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int ci = blockIdx.x, h = blockIdx.y, H = a.H;
+  const int H = a.H;
   const int64_t tok = a.chunks[2 * ci];
   const int nrows = a.chunks[2 * ci + 1];
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(a.q);
@@ -452,7 +482,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   if constexpr (Rec::kBwd) cp_async_wait_all();
   __syncthreads();
 
-  prefetch_successor(a, tid);
+  prefetch_successor<Rec>(a, tid);
   // ---- W = A diag(beta) X (and the backward's U = A diag(beta) V). Warp: row blocks {mp, 3 - mp},
   //      columns 32 nq .. ----
   const int mp = warp & 1, nq = warp >> 1;

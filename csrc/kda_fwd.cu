@@ -88,6 +88,7 @@ __device__ __forceinline__ void st_u32(char* base, int elem, uint32_t x) {
 
 struct FwdRecord {
   static constexpr bool kBwd = false;
+  static constexpr bool kChunkMajor = true;  // a 1-D grid, every head of a chunk before the next (chunk_prep::chunk_head)
   static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + R_GAM); }
   static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t x) {
     st_u32(rec + R_AQK, tri_off(tri_blk(I, J), r, c), x);
@@ -113,8 +114,9 @@ constexpr int PREP_SMEM = chunk_prep::SMEM;
 __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
   extern __shared__ __align__(128) char smem[];
   const chunk_prep::Inputs in{a.q, a.k, nullptr, a.g, a.beta, a.chunks, a.H, a.scale};
-  char* rec = static_cast<char*>(a.ws) + (static_cast<int64_t>(blockIdx.x) * a.H + blockIdx.y) * kFwdRecordBytes;
-  chunk_prep::prep_chunk<FwdRecord>(in, rec, smem);
+  const int2 at = chunk_prep::own_chunk_head<FwdRecord>(a.H);
+  char* rec = static_cast<char*>(a.ws) + (static_cast<int64_t>(at.x) * a.H + at.y) * kFwdRecordBytes;
+  chunk_prep::prep_chunk<FwdRecord>(in, rec, smem, at.x, at.y);
 }
 
 // =====================================================================================================
@@ -479,12 +481,21 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   }
 }
 
+// The walks run beside prep CTAs of later run groups (kda_kcp/cuda/forward.py): an SM takes the L1 / shared split
+// the first kernel placed on it asks for, and a walk CTA's 75 KB alone would leave no room there for a 102 KB prep
+// CTA beside it. Both kernels ask for the whole of shared memory, so a walk and a prep always fit one SM.
+template <class K>
+cudaError_t set_max_shared_carveout(K kern) {
+  return cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+}
+
 template <bool OUT, int NW>
 cudaError_t launch_walk(const WalkArgs& a, cudaStream_t stream) {
   using Cfg = WalkCfg<OUT, NW>;
   if (a.nseg == 0 || a.H == 0) return cudaSuccess;
   auto kern = walk_kernel<OUT, NW>;
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  if (err == cudaSuccess) err = set_max_shared_carveout(kern);
   if (err != cudaSuccess) return err;
   kern<<<dim3(Cfg::TILES, a.nseg, a.H), Cfg::NT, Cfg::SMEM, stream>>>(a);
   return cudaGetLastError();
@@ -505,8 +516,9 @@ cudaError_t launch_walk_nw(const WalkArgs& a, int warps, cudaStream_t stream) {
 cudaError_t launch_fwd_prep(const PrepArgs& a, cudaStream_t stream) {
   if (a.nchunk == 0 || a.H == 0) return cudaSuccess;
   cudaError_t err = cudaFuncSetAttribute(prep_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, PREP_SMEM);
+  if (err == cudaSuccess) err = set_max_shared_carveout(prep_kernel);
   if (err != cudaSuccess) return err;
-  prep_kernel<<<dim3(a.nchunk, a.H), PT, PREP_SMEM, stream>>>(a);
+  prep_kernel<<<dim3(static_cast<unsigned>(static_cast<int64_t>(a.nchunk) * a.H)), PT, PREP_SMEM, stream>>>(a);
   return cudaGetLastError();
 }
 

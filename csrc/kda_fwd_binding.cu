@@ -41,6 +41,8 @@ void fwd_prep(TensorView q, TensorView k, TensorView g, TensorView beta, TensorV
       << "beta must be bfloat16 [T, H]";
   check_table(chunks, "chunk table", 2, dev);
   TVM_FFI_CHECK(H >= 1 && H <= 65535, ValueError) << "H must be in [1, 65535]";
+  TVM_FFI_CHECK(chunks.size(0) * H <= 0x7fffffff, ValueError)
+      << "too many (chunk, head) records for one launch (a 1-D grid)";
   check_ws(ws, chunks.size(0) * H, dev);
   kda::PrepArgs a{};
   a.q = q.data_ptr();

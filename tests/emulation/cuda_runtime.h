@@ -24,6 +24,8 @@ typedef void* cudaStream_t;
 constexpr int cudaSuccess = 0;
 constexpr int cudaErrorInvalidValue = 1;
 constexpr int cudaFuncAttributeMaxDynamicSharedMemorySize = 0;
+constexpr int cudaFuncAttributePreferredSharedMemoryCarveout = 1;
+constexpr int cudaSharedmemCarveoutMaxShared = 100;
 inline const char* cudaGetErrorString(int) { return "emu"; }
 inline int cudaGetLastError() { return 0; }
 template <class K> inline int cudaFuncSetAttribute(K, int, int) { return 0; }
