@@ -88,7 +88,7 @@ __device__ __forceinline__ void st_u32(char* base, int elem, uint32_t x) {
 
 struct FwdRecord {
   static constexpr bool kBwd = false;
-  static constexpr bool kChunkMajor = true;  // a 1-D grid, every head of a chunk before the next (chunk_prep::chunk_head)
+  static constexpr bool kChunkMajor = true;  // 1-D grid, every head of a chunk before the next (chunk_prep::chunk_head)
   static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + R_GAM); }
   static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t x) {
     st_u32(rec + R_AQK, tri_off(tri_blk(I, J), r, c), x);

@@ -299,10 +299,10 @@ def run_group_tables(plan, heads: int, device, sms: int | None = None):
         # Preps and walks that run at once slow each other (a walk step ~1.35x, the prep on those SMs ~2x; NOTES.md
         # session 19; much of the prep's share was SMs configured by a walk with no room for a prep CTA, fixed by
         # the kernels' carveout in session 24), so the pipeline pays only through the walks of the shorter runs
-        # that end before the longest one: the last group's walk, which starts after every prep, must be clearly shorter than the first's (4
-        # documents of 1,021 chunks at H = 16: 10.44 against 8.10 ms). Benchmark batch: H = 64 fwd 30.9 against
-        # 32.0 ms, H = 16 8.91 against 9.22 ms (walks at priority -1: at default priority the later groups' walks
-        # waited for the last prep, 9.7 ms).
+        # that end before the longest one: the last group's walk, which starts after every prep, must be clearly
+        # shorter than the first's (4 documents of 1,021 chunks at H = 16: 10.44 against 8.10 ms). Benchmark
+        # batch: H = 64 fwd 30.9 against 32.0 ms, H = 16 8.91 against 9.22 ms (walks at priority -1: at default
+        # priority the later groups' walks waited for the last prep, 9.7 ms).
         ctas = len(tabs.out_rows) * heads * (_D // (16 * _warps()))
         if len(ids) > 1 and max(lengths[r] for r in ids[-1]) <= LAST_FRACTION * max(lengths[r] for r in ids[0]):
             out = tuple(RunGroup(coalesce_ranges(sorted((rows[r][2], rows[r][2] + rows[r][5]) for r in grp)),
