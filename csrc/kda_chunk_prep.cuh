@@ -1,7 +1,7 @@
 // The chunk prep shared by the forward (kda_fwd.cu) and the backward (kda_bwd.cu): one CTA of 8 warps per
-// (chunk, head), two CTAs per SM (104 KB of shared memory, <= 128 registers). g and k are read straight into
+// (chunk, head), two CTAs per SM (101 KB of shared memory, <= 128 registers). g and k are read straight into
 // registers; the anchored L / Aqk blocks are formed on tensor cores, all ten at once; A = (I + L)^-1 in FP32
-// (blocked substitution); W = A diag(beta) (K o exp G). The record format is the caller's: a record policy
+// (diagonal blocks by substitution, the others by level in 3xTF32); W = A diag(beta) (K o exp G). The record format is the caller's: a record policy
 // `Rec` (FwdRecord in kda_fwd.cu, BwdRecord in kda_bwd.cu) says where each piece goes and whether the
 // backward's extras are made (Rec::kBwd: P, A, U, L from K_r hi x Cc hi + lo instead of hi x hi).
 #pragma once
@@ -48,8 +48,7 @@ constexpr int P_AEND = 81920;
 // phase B (aliases phase A once L and Aqk are done)
 constexpr int P_X = 0;         // bf16 sw128 K o exp(G)
 constexpr int P_A = 16384;     // fp32 [64][LDL]
-constexpr int P_PT = P_A + C * LDL * 4;  // fp32 [3][16][16]
-constexpr int P_ABH = P_PT + 3072;       // bf16 sw64 [64][64]
+constexpr int P_ABH = P_A + C * LDL * 4;  // bf16 sw64 [64][64]
 constexpr int P_ABL = P_ABH + 8192;
 static_assert(P_ABL + 8192 <= P_AEND, "phase B overflows phase A");
 constexpr int P_QGS = P_CCH;             // forward: bf16 sw128 Qg staging (the Cc tiles are dead by then)
@@ -63,52 +62,82 @@ constexpr int P_GA = P_TOT + 2048;       // fp32 [4][128]
 constexpr int P_GL = P_GA + 2048;        // fp32 [128]
 constexpr int SMEM = P_GL + 512;
 
-// One level of the blocked inverse: for I - J = LEV, P = sum_{J <= m < I} L_Im A_mJ, A_IJ = -A_II P.
+// One level of the blocked inverse on tensor cores: for I - J = LEV, A_IJ = -A_II P with P = sum_{J <= m < I} L_Im
+// A_mJ, one warp per block (warps 0 .. 3 - LEV), both products in 3xTF32 (each operand split into tf32 hi + lo by
+// truncation, lo x lo dropped: ~2^-19 relative). The FP32-FMA form it replaces spent ~600 instructions per thread on
+// shared loads and FMAs, with two barriers per level. Computed transposed, A_IJ^T = -P^T A_II^T, with the k slots of
+// every m16n8k8 permuted alike in A and B (slot t holds k = 2t, slot t + 4 holds k = 2t + 1; the sum is the same): then
+// every fragment is one conflict-free 32- or 64-bit shared load at LDL = 68, and P^T's accumulators are the second
+// product's A fragments as they stand. The blocks a level writes are read by no warp of the same level.
 template <int LEV>
-__device__ __forceinline__ void inv_level(const float* sL, float* sA, float* sPt, int tid) {
-  constexpr int NP = 4 - LEV;
+__device__ __forceinline__ void inv_level(const float* sL, float* sA, int warp, int lane) {
+  if (warp < 4 - LEV) {
+    const int J = warp, I = warp + LEV;
+    const int g = lane >> 2, t = lane & 3;
+    float p[2][4];  // P^T, n-tile nt: rows n = g, g + 8 (columns of block J), columns i = 8 nt + 2t, + 1 (rows of I)
+    zero_frags(p);
 #pragma unroll
-  for (int it = 0; it < NP; ++it) {
-    const int e = tid + it * NT;
-    const int p = e >> 8, r = (e >> 4) & 15, c = e & 15;
-    const int I = LEV + p, J = p;
-    const float* lrow = sL + (I * 16 + r) * LDL + J * 16;
-    const float* acol = sA + (J * 16) * LDL + J * 16 + c;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    for (int ks = 0; ks < 2 * LEV; ++ks) {
+      const int m = 16 * J + 8 * ks + 2 * t;  // this thread's k slots: m, m + 1
+      uint32_t ah[4], al[4];                  // A_{m, J}^T
+      split_tf32_trunc(sA[m * LDL + 16 * J + g], ah[0], al[0]);
+      split_tf32_trunc(sA[m * LDL + 16 * J + g + 8], ah[1], al[1]);
+      split_tf32_trunc(sA[(m + 1) * LDL + 16 * J + g], ah[2], al[2]);
+      split_tf32_trunc(sA[(m + 1) * LDL + 16 * J + g + 8], ah[3], al[3]);
 #pragma unroll
-    for (int m = 0; m < 16 * LEV; m += 4) {
-      s0 = fmaf(lrow[m + 0], acol[(m + 0) * LDL], s0);
-      s1 = fmaf(lrow[m + 1], acol[(m + 1) * LDL], s1);
-      s2 = fmaf(lrow[m + 2], acol[(m + 2) * LDL], s2);
-      s3 = fmaf(lrow[m + 3], acol[(m + 3) * LDL], s3);
+      for (int nt = 0; nt < 2; ++nt) {  // L_{I, m}^T
+        const float2 b = *reinterpret_cast<const float2*>(sL + (16 * I + 8 * nt + g) * LDL + m);
+        uint32_t bh0, bl0, bh1, bl1;
+        split_tf32_trunc(b.x, bh0, bl0);
+        split_tf32_trunc(b.y, bh1, bl1);
+        mma_tf32(p[nt], al, bh0, bh1);
+        mma_tf32(p[nt], ah, bl0, bl1);
+        mma_tf32(p[nt], ah, bh0, bh1);
+      }
     }
-    sPt[p * 256 + r * 16 + c] = (s0 + s1) + (s2 + s3);
-  }
-  __syncthreads();
+    float d[2][4];  // A_IJ^T, n-tile nt: rows n = g, g + 8, columns i = 8 nt + 2t, + 1
+    zero_frags(d);
 #pragma unroll
-  for (int it = 0; it < NP; ++it) {
-    const int e = tid + it * NT;
-    const int p = e >> 8, r = (e >> 4) & 15, c = e & 15;
-    const int I = LEV + p, J = p;
-    const float* arow = sA + (I * 16 + r) * LDL + I * 16;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    for (int kk = 0; kk < 2; ++kk) {  // k = i: P^T's n-tile kk is the A fragment (c0, c2, c1, c3)
+      uint32_t ah[4], al[4];
+      split_tf32_trunc(p[kk][0], ah[0], al[0]);
+      split_tf32_trunc(p[kk][2], ah[1], al[1]);
+      split_tf32_trunc(p[kk][1], ah[2], al[2]);
+      split_tf32_trunc(p[kk][3], ah[3], al[3]);
 #pragma unroll
-    for (int m = 0; m < 16; m += 4) {
-      s0 = fmaf(arow[m + 0], sPt[p * 256 + (m + 0) * 16 + c], s0);
-      s1 = fmaf(arow[m + 1], sPt[p * 256 + (m + 1) * 16 + c], s1);
-      s2 = fmaf(arow[m + 2], sPt[p * 256 + (m + 2) * 16 + c], s2);
-      s3 = fmaf(arow[m + 3], sPt[p * 256 + (m + 3) * 16 + c], s3);
+      for (int nt = 0; nt < 2; ++nt) {  // A_II^T
+        const float2 b = *reinterpret_cast<const float2*>(sA + (16 * I + 8 * nt + g) * LDL + 16 * I + 8 * kk + 2 * t);
+        uint32_t bh0, bl0, bh1, bl1;
+        split_tf32_trunc(b.x, bh0, bl0);
+        split_tf32_trunc(b.y, bh1, bl1);
+        mma_tf32(d[nt], al, bh0, bh1);
+        mma_tf32(d[nt], ah, bl0, bl1);
+        mma_tf32(d[nt], ah, bh0, bh1);
+      }
     }
-    sA[(I * 16 + r) * LDL + J * 16 + c] = -((s0 + s1) + (s2 + s3));
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int i = 16 * I + 8 * nt + 2 * t;
+      sA[i * LDL + 16 * J + g] = -d[nt][0];
+      sA[(i + 1) * LDL + 16 * J + g] = -d[nt][1];
+      sA[i * LDL + 16 * J + g + 8] = -d[nt][2];
+      sA[(i + 1) * LDL + 16 * J + g + 8] = -d[nt][3];
+    }
   }
   __syncthreads();
 }
 
+// The anchored rows share one anchor, the chunk's first row, when every column's gates sum to >= -kOneAnchor over
+// the chunk: then K o exp(G - G_0) >= e^-64 and Cc = K o exp(G_0 - G) <= e^64 sit well inside FP32's and bf16's
+// range (a lo part of a hi + lo pair stays a normal number), and no block needs a factor of its own. Gates that fall
+// faster (down to -5 per token: -320 over a chunk) anchor each 16-row block at its own first row (<= e^80).
+constexpr float kOneAnchor = 64.f;
+
 // L (DO_L) and / or Aqk (DO_Q) of the 16x16 block (I, J), J <= I, by one warp. Both are (the row side of
-// block I: K_r, Q_r hi + lo, anchored at a_I = 16 I) diag(exp(G_aI - G_aJ)) Cc_J^T, where Cc = K o exp(G_a - G) is
-// anchored per row block too: the diagonal factor (<= 1, = 1 on the diagonal) is applied to the Cc fragment in
-// registers, so one Cc tile serves every block and no block waits for another.
-template <class Rec, bool DO_L, bool DO_Q>
+// block I: K_r, Q_r hi + lo) Cc_J^T, Cc = K o exp(G_a - G) (hi + lo). With one anchor for the chunk that is all;
+// anchored per row block (PER_BLOCK: a_I = 16 I), the factor diag(exp(G_aI - G_aJ)) (<= 1, = 1 on the diagonal)
+// is applied to the Cc fragment in registers, so one Cc tile serves every block and no block waits for another.
+template <class Rec, bool PER_BLOCK, bool DO_L, bool DO_Q>
 __device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, float scale, int lane) {
   const __nv_bfloat16* sKr = reinterpret_cast<const __nv_bfloat16*>(smem + P_KR);
   const __nv_bfloat16* sQrh = reinterpret_cast<const __nv_bfloat16*>(smem + P_QRH);
@@ -126,15 +155,15 @@ __device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, fl
   for (int ks = 0; ks < 8; ++ks) {
     uint32_t bh[4], bl[4];
     ldb<128>(bh, sCch, ks * 16, J * 16, lane);
-    if (DO_Q || Rec::kBwd || I > J) ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
-    if (I > J) {  // Cc_J o exp(G_aI - G_aJ) on the fragment's columns d, d + 1 (b[0], b[2]) and d + 8, d + 9
+    if (DO_Q || Rec::kBwd || (PER_BLOCK && I > J)) ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
+    if (PER_BLOCK && I > J) {  // Cc_J o exp(G_aI - G_aJ) on the fragment's columns d, d + 1 (b[0], b[2]) and d + 8, d + 9
       const int d = ks * 16 + l4 * 2;
       const float2 ga = *reinterpret_cast<const float2*>(sGa + I * D + d);
       const float2 gb = *reinterpret_cast<const float2*>(sGa + J * D + d);
       const float2 ga8 = *reinterpret_cast<const float2*>(sGa + I * D + d + 8);
       const float2 gb8 = *reinterpret_cast<const float2*>(sGa + J * D + d + 8);
-      const float2 f = make_float2(fexp(ga.x - gb.x), fexp(ga.y - gb.y));
-      const float2 f8 = make_float2(fexp(ga8.x - gb8.x), fexp(ga8.y - gb8.y));
+      const float2 f = make_float2(fexp_ftz(ga.x - gb.x), fexp_ftz(ga.y - gb.y));
+      const float2 f8 = make_float2(fexp_ftz(ga8.x - gb8.x), fexp_ftz(ga8.y - gb8.y));
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float2 fe = (e & 1) ? f8 : f;
@@ -190,6 +219,21 @@ __device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, fl
         }
       }
     }
+}
+
+// L and Aqk of the ten lower 16x16 blocks, all at once. Per warp, in mma_n16 per k-step: warps 0..5 both products
+// of one block below the diagonal (4, + the Cc factor when PER_BLOCK), then warps 0..3 the L of diagonal block w
+// (1); warps 6, 7 the Aqk of two diagonal blocks each (3 + 3).
+template <class Rec, bool PER_BLOCK>
+__device__ __forceinline__ void lq_blocks(char* smem, char* rec, float scale, int warp, int lane) {
+  if (warp < 6) {
+    const int I = warp < 1 ? 1 : (warp < 3 ? 2 : 3), J = warp - (I * (I - 1)) / 2;
+    lq_block<Rec, PER_BLOCK, true, true>(I, J, smem, rec, scale, lane);
+    if (warp < 4) lq_block<Rec, PER_BLOCK, true, false>(warp, warp, smem, rec, scale, lane);
+  } else {
+    lq_block<Rec, PER_BLOCK, false, true>(2 * (warp - 6), 2 * (warp - 6), smem, rec, scale, lane);
+    lq_block<Rec, PER_BLOCK, false, true>(2 * (warp - 6) + 1, 2 * (warp - 6) + 1, smem, rec, scale, lane);
+  }
 }
 
 // What one CTA needs (bf16 q, k, v; fp32 g; bf16 beta; [T, H, 128] / [T, H]).
@@ -284,7 +328,6 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   __nv_bfloat16* sCcl = reinterpret_cast<__nv_bfloat16*>(smem + P_CCL);
   __nv_bfloat16* sX = reinterpret_cast<__nv_bfloat16*>(smem + P_X);
   float* sA = reinterpret_cast<float*>(smem + P_A);
-  float* sPt = reinterpret_cast<float*>(smem + P_PT);
   __nv_bfloat16* sAbh = reinterpret_cast<__nv_bfloat16*>(smem + P_ABH);
   __nv_bfloat16* sAbl = reinterpret_cast<__nv_bfloat16*>(smem + P_ABL);
   float* sL = reinterpret_cast<float*>(smem + P_L);
@@ -357,52 +400,45 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     }
     sGa[rq * D + d0] = G0[0];
     sGa[rq * D + d0 + 1] = G1[0];
-    if (rq == 3) {
+    if (rq == 3) {  // G_63 (the sums include row 0's gate, so -G_63 bounds G_0 - G_63)
       sGl[d0] = G0[15];
       sGl[d0 + 1] = G1[15];
-      *reinterpret_cast<float2*>(Rec::gamma(rec) + d0) = make_float2(fexp(G0[15]), fexp(G1[15]));
+      *reinterpret_cast<float2*>(Rec::gamma(rec) + d0) = make_float2(fexp_ftz(G0[15]), fexp_ftz(G1[15]));
     }
   }
   cp_async_wait_all();  // this thread's q pieces, visible to all after the barrier
-  __syncthreads();
+  const bool one_anchor = !__syncthreads_or(rq == 3 && fminf(G0[15], G1[15]) < -kOneAnchor);
 
-  // ---- anchored rows, each row block I anchored at its first row a_I = 16 I (G is non-increasing):
-  //      K_r = K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo), the column side of
-  //      the diagonal blocks (the backward also writes s Qg and Kg from registers here) ----
+  // ---- anchored rows, at the chunk's first row or each row block I at its first row a_I = 16 I (kOneAnchor;
+  //      G is non-increasing): K_r = K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo),
+  //      the column side (the backward also writes s Qg and Kg from registers here) ----
+  const float an0 = one_anchor ? sGa[d0] : G0[0], an1 = one_anchor ? sGa[d0 + 1] : G1[0];
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int j = rq * 16 + i;
     const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
     const float2 qf = bf2_to_f2(*reinterpret_cast<const uint32_t*>(sQ + j * D + d0));
-    const float e0 = fexp(G0[i] - G0[0]), e1 = fexp(G1[i] - G1[0]);  // <= 1
+    const float e0 = fexp_ftz(G0[i] - an0), e1 = fexp_ftz(G1[i] - an1);  // <= 1
     *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kf.x * e0, kf.y * e1);
     uint32_t hi, lo;
     split2(qf.x * e0, qf.y * e1, hi, lo);
     *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
     *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
-    split2(kf.x * fexp(G0[0] - G0[i]), kf.y * fexp(G1[0] - G1[i]), hi, lo);  // >= 1
+    split2(kf.x * fexp_ftz(an0 - G0[i]), kf.y * fexp_ftz(an1 - G1[i]), hi, lo);  // >= 1
     *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
     *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
     if constexpr (Rec::kBwd) {
-      const float x0 = fexp(G0[i]), x1 = fexp(G1[i]);
+      const float x0 = fexp_ftz(G0[i]), x1 = fexp_ftz(G1[i]);
       *reinterpret_cast<uint32_t*>(Rec::qg(rec) + j * D + d0) = pack_bf16(a.scale * qf.x * x0, a.scale * qf.y * x1);
       *reinterpret_cast<uint32_t*>(Rec::kg(rec) + j * D + d0) =
-          pack_bf16(kf.x * fexp(sGl[d0] - G0[i]), kf.y * fexp(sGl[d0 + 1] - G1[i]));
+          pack_bf16(kf.x * fexp_ftz(sGl[d0] - G0[i]), kf.y * fexp_ftz(sGl[d0 + 1] - G1[i]));
     }
   }
   __syncthreads();
 
-  // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once (lq_block). Per warp, in mma_n16 per k-step:
-  //      warps 0..5 both products of one block below the diagonal (4 + the Cc scaling), then warps 0..3 the L of
-  //      diagonal block w (1); warps 6, 7 the Aqk of two diagonal blocks each (3 + 3). ----
-  if (warp < 6) {
-    const int I = warp < 1 ? 1 : (warp < 3 ? 2 : 3), J = warp - (I * (I - 1)) / 2;
-    lq_block<Rec, true, true>(I, J, smem, rec, a.scale, lane);
-    if (warp < 4) lq_block<Rec, true, false>(warp, warp, smem, rec, a.scale, lane);
-  } else {
-    lq_block<Rec, false, true>(2 * (warp - 6), 2 * (warp - 6), smem, rec, a.scale, lane);
-    lq_block<Rec, false, true>(2 * (warp - 6) + 1, 2 * (warp - 6) + 1, smem, rec, a.scale, lane);
-  }
+  // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once ----
+  if (one_anchor) lq_blocks<Rec, false>(smem, rec, a.scale, warp, lane);
+  else lq_blocks<Rec, true>(smem, rec, a.scale, warp, lane);
   __syncthreads();
 
   if constexpr (Rec::kBwd) {  // V (for U) lands while X is formed and A inverted
@@ -417,7 +453,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   } else {
     // ---- Qg = s Q o exp(G) = s (Q o exp(G - G_anchor)) exp(G_anchor), from the hi + lo anchored rows
     //      (Q and G0/G1 are not held for it), staged in the dead Cc tiles ----
-    const float ea0 = a.scale * fexp(G0[0]), ea1 = a.scale * fexp(G1[0]);
+    const float ea0 = a.scale * fexp_ftz(an0), ea1 = a.scale * fexp_ftz(an1);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const int j = rq * 16 + i;
@@ -433,14 +469,14 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     for (int i = 0; i < 16; ++i) {
       const int j = rq * 16 + i;
       const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp(G0[i]), kf.y * fexp(G1[i]));
+      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp_ftz(G0[i]), kf.y * fexp_ftz(G1[i]));
       if constexpr (!Rec::kBwd)
-        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = pack_f16(kf.x * fexp(gl0 - G0[i]), kf.y * fexp(gl1 - G1[i]));
+        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = pack_f16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
     }
   }
 
   __syncthreads();  // Qr is read (Qg) before A overwrites it
-  // ---- A = (I + L)^-1 in FP32: diagonal blocks (column-oriented substitution), then levels ----
+  // ---- A = (I + L)^-1: diagonal blocks (column-oriented substitution, FP32), then levels (3xTF32) ----
   // (threads 0 .. 63, a serial chain; meanwhile the forward's other warps copy the staged Qg and Kg to the
   // record in 16-byte pieces, before A diag(beta) and the inverse's levels touch shared memory near them)
   if (tid < 64) {
@@ -451,9 +487,9 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
                        *reinterpret_cast<const uint4*>(smem + P_KGS + p * 16));
   }
   __syncthreads();
-  inv_level<1>(sL, sA, sPt, tid);
-  inv_level<2>(sL, sA, sPt, tid);
-  inv_level<3>(sL, sA, sPt, tid);
+  inv_level<1>(sL, sA, warp, lane);
+  inv_level<2>(sL, sA, warp, lane);
+  inv_level<3>(sL, sA, warp, lane);
   // A diag(beta) as bf16 hi + lo: sw64 tiles for W below; to the record the forward's lower blocks of it,
   // the backward's A (before diag(beta)) as a whole [64][64]
   for (int e = tid; e < C * C / 2; e += NT) {

@@ -17,6 +17,14 @@ __device__ __forceinline__ float fexp(float x) {
   asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
   return y;
 }
+// e^x with results below FP32's normal range (x < -87.3) flushed to zero: one MUFU.EX2, where ex2.approx.f32 adds a
+// range test and two predicated multiplies. For factors whose flushed values are negligible beside the sums they
+// enter (the chunk prep's gates: an exp below 1.2e-38 meets factors of at most e^75 there).
+__device__ __forceinline__ float fexp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
+  return y;
+}
 
 // Element offset of (r, c) in a bf16 tile whose rows hold 128 (or 64) elements, stored with the 16-byte
 // chunk index XOR-ed with (r & 7): ldmatrix over 8 consecutive rows then hits 8 distinct bank groups.
@@ -73,6 +81,12 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = to_tf32(x);
   lo = to_tf32(x - __uint_as_float(hi));
+}
+// The same split by truncation (3 instructions where cvt.rna costs 3 each on sm_90: a range test, an add, a mask):
+// hi = x with its low 13 bits cleared, lo = x - hi (exact) likewise; |x - hi - lo| < 2^-20 |x|.
+__device__ __forceinline__ void split_tf32_trunc(float x, uint32_t& hi, uint32_t& lo) {
+  hi = __float_as_uint(x) & 0xffffe000u;
+  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
 }
 
 // D += A * B, A 16x8 tf32 (row), B 8x8 tf32 (col), D 16x8 fp32.

@@ -93,7 +93,10 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def _case(cu, H, seed):
+def _case(cu, H, seed, steep_docs=()):
+    """A packed batch of the documents ``cu`` with the benchmark's gates (whose chunks the prep anchors at their
+    first row: kda_chunk_prep.cuh kOneAnchor), but in the documents ``steep_docs``: gates uniform in (-5, 0), whose
+    chunks it anchors by 16-row block."""
     T = cu[-1]
     plan = LocalPlan(T, build_plan(cu, [[(0, T)]]).rank_runs[0])
     gen = torch.Generator().manual_seed(seed)
@@ -105,6 +108,8 @@ def _case(cu, H, seed):
     # segments: with fast gates alone a wrong decay or a wrong state hand-over would go unseen
     slow = torch.rand(1, H, 128, generator=gen) < 0.25
     g = torch.where(slow, -0.02 * torch.rand(T, H, 128, generator=gen) - 1e-6, g)
+    for d in steep_docs:
+        g[cu[d]:cu[d + 1]] = -5 * torch.rand(cu[d + 1] - cu[d], H, 128, generator=gen).clamp_min(1e-6)
     beta = (0.05 + 0.9 * torch.rand(T, H, generator=gen)).bfloat16()
     do = torch.randn(T, H, 128, generator=gen).bfloat16()
     R = plan.num_runs
@@ -388,15 +393,17 @@ def _check_vs_oracle(got, ref, where):
         assert torch.isfinite(x.float()).all() and err <= (4e-3 if name == "o" else TOL[name]), (where, name)
 
 
-def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch):
+@pytest.mark.parametrize("steep_docs", [(), (0,)])  # every chunk on one anchor; the first document's by block
+def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch, steep_docs):
     """One W = 1 forward + backward through kda_kcp.cuda (segmented forward and backward walks, folds, a
     workspace of exactly the queried size) against the FP64 oracle, and the lean backward (2 passes)
     bitwise equal to the replay one; prepared records serve one gradient call (the forward walk writes
-    V_new over U), a second one raises."""
+    V_new over U), a second one raises. With steep gates in the first document, the preps anchor its chunks
+    by 16-row block and the second document's at their first row, in one launch."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
     cu = [0, 70, 300]
     H = 1
-    plan, inputs, do, _, _ = _case(cu, H, 7)
+    plan, inputs, do, _, _ = _case(cu, H, 7, steep_docs)
     prepared = cb.PreparedBackward(*inputs, do, SCALE, plan)
     prepared.grads()
     with pytest.raises(RuntimeError, match="once per prepared backward"):

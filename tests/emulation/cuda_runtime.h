@@ -3,6 +3,7 @@
 // mma), blocks run one after another over a 256 KiB shared-memory buffer filled with garbage first.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstddef>
 #include <cmath>
@@ -52,12 +53,23 @@ struct WarpCtx {
 struct BlockCtx {
   std::unique_ptr<std::barrier<>> bar;
   std::vector<std::unique_ptr<WarpCtx>> warps;
+  std::atomic<int> vote[3] = {0, 0, 0};  // __syncthreads_or: call n votes into slot n % 3
 };
 inline BlockCtx* g_block = nullptr;
 inline thread_local WarpCtx* t_warp = nullptr;
 inline thread_local int t_lane = 0;
 alignas(1024) inline char g_smem[256 * 1024];
 inline void __syncthreads() { g_block->bar->arrive_and_wait(); }
+inline thread_local int t_votes = 0;  // this thread's __syncthreads_or calls so far (threads are made per block)
+// Slot n % 3 of call n: thread 0 clears the next call's slot before the barrier (its readers, two calls back, are past
+// the previous barrier; its writers come after this one).
+inline int __syncthreads_or(int pred) {
+  const int n = t_votes++;
+  if (threadIdx.x == 0) g_block->vote[(n + 1) % 3].store(0);
+  if (pred) g_block->vote[n % 3].store(1);
+  g_block->bar->arrive_and_wait();
+  return g_block->vote[n % 3].load();
+}
 inline void __syncwarp() { t_warp->bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {
   WarpCtx* w = t_warp;

@@ -15,6 +15,7 @@
 namespace kda {
 constexpr float kLog2e = 1.4426950408889634f;
 inline float fexp(float x) { return std::exp2(x * kLog2e); }
+inline float fexp_ftz(float x) { const float y = std::exp2(x * kLog2e); return y < 1.17549435e-38f ? 0.f : y; }
 inline int sw128(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 inline int sw64(int r, int c) { return r * 64 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 inline uint16_t b16at(const void* p, int i) { return static_cast<const uint16_t*>(p)[i]; }
@@ -104,6 +105,14 @@ inline float tf32_value(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x;
 inline void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = to_tf32(x);
   lo = to_tf32(x - tf32_value(hi));
+}
+inline void split_tf32_trunc(float x, uint32_t& hi, uint32_t& lo) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  hi = u & 0xffffe000u;
+  const float r = x - tf32_value(hi);
+  std::memcpy(&u, &r, 4);
+  lo = u & 0xffffe000u;
 }
 // mma.m16n8k8 tf32 (the m16n8k8 fragment layouts; products summed in FP64 onto the FP32 accumulator)
 inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

@@ -43,7 +43,10 @@ def make_inputs(T, H, gen, gate="mixed", device=DEV):
     """q, k L2-normalised BF16, v BF16, g FP32 in [-5, 0), beta BF16 in (0.05, 0.95), head dim 128.
 
     gate="mixed": -5 sigmoid(x) with a quarter of the channels slow (|g| < 0.02) and one token of the
-    extreme gate -5; otherwise uniform in (-5, 0)."""
+    extreme gate -5; "uniform": uniform in (-5, 0); "benchmark": the benchmark's, logsigmoid(2 + 1.5 z) clipped at
+    -5; "edge_in" / "edge_out": every gate in (-1, -0.99) / (-1.02, -1.01), so that every full chunk's gates sum to
+    just above / just below -64, the chunk prep's limit for one anchor per chunk (kda_chunk_prep.cuh kOneAnchor).
+    All but "benchmark" and the edges set one token's gates to -5."""
     q = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
     k = torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16()
     v = torch.randn(T, H, 128, generator=gen).bfloat16()
@@ -51,10 +54,17 @@ def make_inputs(T, H, gen, gate="mixed", device=DEV):
         g = -5 * torch.sigmoid(torch.randn(T, H, 128, generator=gen) * 2 - 1)
         slow = torch.rand(1, H, 128, generator=gen) < 0.25
         g = torch.where(slow, -0.02 * torch.rand(T, H, 128, generator=gen), g)
-    else:
+    elif gate == "benchmark":
+        g = torch.nn.functional.logsigmoid(2 + 1.5 * torch.randn(T, H, 128, generator=gen))
+    elif gate in ("edge_in", "edge_out"):
+        lo = -1.0 if gate == "edge_in" else -1.02
+        g = lo + 0.01 * torch.rand(T, H, 128, generator=gen)
+    elif gate == "uniform":
         g = -5 * torch.rand(T, H, 128, generator=gen)
+    else:
+        raise ValueError(f"unknown gate {gate!r}")
     g = g.clamp(-5.0, -1e-6)
-    if T > 3:
+    if T > 3 and gate in ("mixed", "uniform"):
         g[T // 3] = -5.0
     beta = (0.05 + 0.9 * torch.rand(T, H, generator=gen)).bfloat16()
     return [x.to(device) for x in (q, k, v, g.float(), beta)]

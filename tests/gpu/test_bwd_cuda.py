@@ -142,7 +142,7 @@ def test_benchmark_slice():
     """Slices of the benchmark batch's documents (first 2048 tokens of each of the 4), H = 4."""
     gen = torch.Generator().manual_seed(SEED + 7)
     cu = [0, 2048, 4096, 6144, 8192]
-    inputs, do = make_inputs(8192, 4, gen)
+    inputs, do = make_inputs(8192, 4, gen, gate="benchmark")
     plan = local_plan(cu)
     ours = run_bwd(inputs, do, plan)
     ref = oracle_grads(inputs, do, cu)
@@ -150,6 +150,21 @@ def test_benchmark_slice():
         e = rel(x, r)
         print(f"benchmark slice {name} rel-RMS vs FP64 = {e:.3e}")
         assert e <= TOL[name]
+
+
+@pytest.mark.parametrize("gate", ["benchmark", "edge_in", "edge_out"])
+def test_grads_anchorings_match_fp64_oracle(gate):
+    """The gradients against the FP64 oracle where the backward prep anchors every chunk at its first row
+    (benchmark's gates; edge_in: at the limit) and where it anchors by block just past it (edge_out)."""
+    gen = torch.Generator().manual_seed(SEED + 500)
+    cu = [0, 1500, 1537, 3000]
+    inputs, do = make_inputs(cu[-1], 4, gen, gate)
+    ours = run_bwd(inputs, do, local_plan(cu))
+    ref = oracle_grads(inputs, do, cu)
+    for name, x, r in zip(NAMES, ours, ref):
+        e = rel(x, r)
+        print(f"gates {gate}: {name} rel-RMS vs FP64 = {e:.3e}")
+        assert torch.isfinite(x.float()).all() and e <= TOL[name], name
 
 
 def test_state_in_and_dstate_out_match_torch_backend():

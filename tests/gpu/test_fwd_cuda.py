@@ -93,12 +93,25 @@ def test_fwd_benchmark_slice():
     """Slices of the benchmark batch's documents (first 2048 tokens of each of the 4), H = 4."""
     gen = torch.Generator().manual_seed(SEED + 7)
     cu = [0, 2048, 4096, 6144, 8192]
-    inputs = make_inputs(8192, 4, gen)
+    inputs = make_inputs(8192, 4, gen, gate="benchmark")
     plan = local_plan(cu)
     o = run_fwd(CudaBackend(), inputs, 128**-0.5, plan)
     ref = naive_kda(*inputs, cu)
     err = rel(o, ref)
     print(f"benchmark slice o rel-RMS vs FP64 = {err:.3e}")
+    assert err <= 4e-3
+
+
+@pytest.mark.parametrize("gate", ["benchmark", "edge_in", "edge_out"])
+def test_fwd_anchorings_match_fp64_oracle(gate):
+    """o against the FP64 oracle where the prep anchors every chunk at its first row (benchmark's gates; edge_in:
+    gates summing to just above -64 per chunk, the limit) and where it anchors by block just past the limit."""
+    gen = torch.Generator().manual_seed(SEED + 500)
+    cu = [0, 1500, 1537, 3000]
+    inputs = make_inputs(cu[-1], 4, gen, gate)
+    o = run_fwd(CudaBackend(), inputs, 128**-0.5, local_plan(cu))
+    err = rel(o, naive_kda(*inputs, cu, scale=128**-0.5))
+    print(f"gates {gate}: o rel-RMS vs FP64 = {err:.3e}")
     assert err <= 4e-3
 
 
@@ -251,16 +264,18 @@ def _emulation():
     return emu
 
 
-def test_prep_records_match_formulas():
+@pytest.mark.parametrize("gate", ["mixed", "benchmark", "edge_in", "edge_out"])
+def test_prep_records_match_formulas(gate):
     """The prep kernel's records, decoded from their byte layout, against the FP32 formulas (localises a
-    failure of the end-to-end tests to the prep or the walk)."""
+    failure of the end-to-end tests to the prep or the walk). The gates put the chunks on one anchor
+    (benchmark, edge_in: at its limit) or on one per 16-row block (mixed but for short chunks, edge_out)."""
     from kda_kcp.cuda import forward
 
     emu = _emulation()
     gen = torch.Generator().manual_seed(SEED + 400)
     cu = [0, 1, 64, 64, 200, 333]
     H = 2
-    inputs = make_inputs(cu[-1], H, gen)
+    inputs = make_inputs(cu[-1], H, gen, gate)
     plan = local_plan(cu)
     tabs = forward.forward_tables(plan, H, DEV)
     ws = torch.full((tabs.num_chunks * H * forward.RECORD_BYTES,), 255, dtype=torch.uint8, device=DEV)
@@ -273,7 +288,7 @@ def test_prep_records_match_formulas():
     for name in ("W", "Qg", "Kg", "Aqk", "Ab", "gam"):
         assert torch.isfinite(dec[name]).all(), f"record part {name} not written (or not finite)"
         err = rel(dec[name], ref[name])
-        print(f"prep record {name} vs FP32 formulas: {err:.2e}")
+        print(f"gates {gate}: prep record {name} vs FP32 formulas: {err:.2e}")
         assert err <= 1e-2
 
 
