@@ -109,6 +109,8 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
   TVM_FFI_CHECK(H >= 1 && H <= 65535, ValueError) << "H must be in [1, 65535]";
   check_chunk_inputs(q, k, v, g, beta, T, H, dev);
   check_table(chunks, "chunk table", 2, dev);
+  TVM_FFI_CHECK(chunks.size(0) * H <= 0x7fffffff, ValueError)
+      << "too many (chunk, head) records for one launch (the prep's 32-bit block index)";
   check_prep(prep, chunks.size(0), H, dev);
   B::Args a = chunk_args(chunks, prep, H, q, k, v, g, beta, scale);
   raise_on(B::launch_prep(a, stream_of(q)), "kda bwd_prep launch");

@@ -253,16 +253,22 @@ struct Inputs {
 // write neighbouring records; H200, ncu, H = 16: the four groups' preps 1.59 / 1.32 / 1.04 / 0.76 -> 1.56 / 1.29 /
 // 1.02 / 0.75 ms against head-major, NOTES.md session 24); the backward's is head-major (blockIdx.x = chunk,
 // blockIdx.y = head).
+// (32-bit: the bindings check chunks x heads < 2^31)
 template <class Rec>
-__device__ __forceinline__ int64_t launch_index() {
+__device__ __forceinline__ unsigned launch_index() {
   if constexpr (Rec::kChunkMajor) return blockIdx.x;
-  else return static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  else return blockIdx.y * gridDim.x + blockIdx.x;
 }
-__device__ __forceinline__ int64_t launch_count() { return static_cast<int64_t>(gridDim.x) * gridDim.y; }
+__device__ __forceinline__ unsigned launch_count() { return gridDim.x * gridDim.y; }
 template <class Rec>
-__device__ __forceinline__ int2 chunk_head(int64_t b, int H) {
-  if constexpr (Rec::kChunkMajor) return make_int2(static_cast<int>(b / H), static_cast<int>(b % H));
-  else return make_int2(static_cast<int>(b % gridDim.x), static_cast<int>(b / gridDim.x));
+__device__ __forceinline__ int2 chunk_head(unsigned b, int H) {
+  if constexpr (Rec::kChunkMajor) {
+    const unsigned c = b / static_cast<unsigned>(H);
+    return make_int2(static_cast<int>(c), static_cast<int>(b - c * H));
+  } else {
+    const unsigned h = b / gridDim.x;
+    return make_int2(static_cast<int>(b - h * gridDim.x), static_cast<int>(h));
+  }
 }
 // the same for this CTA (32-bit arithmetic)
 template <class Rec>
@@ -281,21 +287,21 @@ __device__ __forceinline__ int2 own_chunk_head(int H) {
 // (fwd prep 5.1 -> 4.7 ms at H = 16, NOTES). A hint only: a wrong guess costs bandwidth, never correctness.
 template <class Rec>
 __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
-  const int64_t b = launch_index<Rec>() + 2 * sm_count();
+  static_assert(NT == 256, "each thread takes line tid % 8 of rows tid / 8 and tid / 8 + 32");
+  const unsigned b = launch_index<Rec>() + 2 * sm_count();
   if (b >= launch_count()) return;
   const int2 at = chunk_head<Rec>(b, a.H);
   const int ci = at.x, h = at.y;
   const int64_t tok = a.chunks[2 * ci];
   const int nrows = a.chunks[2 * ci + 1];
-  for (int p = tid; p < C * 8; p += NT) {  // per row: g 4 lines of 128 bytes, k and q 2 each
-    const int r = p >> 3, l = p & 7;
-    if (r >= nrows) continue;
-    const int64_t e = ((tok + r) * a.H + h) * D;
-    const char* line = l < 4 ? reinterpret_cast<const char*>(a.g + e) + l * 128
-                             : reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(l < 6 ? a.k : a.q) + e) +
-                                   (l & 1) * 128;
-    prefetch_l2(line);
-  }
+  const int r = tid >> 3, l = tid & 7;  // per row: g 4 lines of 128 bytes, k and q 2 each
+  const int64_t e = (tok * a.H + h) * D;
+  const char* line = l < 4 ? reinterpret_cast<const char*>(a.g + e) + l * 128
+                           : reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(l < 6 ? a.k : a.q) + e) +
+                                 (l & 1) * 128;
+  const int64_t row_bytes = static_cast<int64_t>(a.H) * D * (l < 4 ? 4 : 2);
+  if (r < nrows) prefetch_l2(line + r * row_bytes);
+  if (r + 32 < nrows) prefetch_l2(line + (r + 32) * row_bytes);
 }
 
 // The prep of chunk ci, head h (chunk_head of the CTA) into `rec`. Rec (static members):
@@ -424,7 +430,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     split2(qf.x * e0, qf.y * e1, hi, lo);
     *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
     *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
-    split2(kf.x * fexp_ftz(an0 - G0[i]), kf.y * fexp_ftz(an1 - G1[i]), hi, lo);  // >= 1
+    split2(kf.x * frcp(e0), kf.y * frcp(e1), hi, lo);  // K o exp(G_a - G) >= 1 (e0, e1 >= e^-80)
     *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
     *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
     if constexpr (Rec::kBwd) {

@@ -25,6 +25,12 @@ __device__ __forceinline__ float fexp_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
   return y;
 }
+// 1 / x in one MUFU.RCP (rcp.approx.ftz: ~1 ulp), for x of magnitude in [2^-126, 2^126].
+__device__ __forceinline__ float frcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Element offset of (r, c) in a bf16 tile whose rows hold 128 (or 64) elements, stored with the 16-byte
 // chunk index XOR-ed with (r & 7): ldmatrix over 8 consecutive rows then hits 8 distinct bank groups.

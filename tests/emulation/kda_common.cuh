@@ -16,6 +16,7 @@ namespace kda {
 constexpr float kLog2e = 1.4426950408889634f;
 inline float fexp(float x) { return std::exp2(x * kLog2e); }
 inline float fexp_ftz(float x) { const float y = std::exp2(x * kLog2e); return y < 1.17549435e-38f ? 0.f : y; }
+inline float frcp(float x) { return 1.f / x; }
 inline int sw128(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 inline int sw64(int r, int c) { return r * 64 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 inline uint16_t b16at(const void* p, int i) { return static_cast<const uint16_t*>(p)[i]; }
