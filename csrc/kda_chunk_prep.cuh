@@ -62,6 +62,17 @@ constexpr int P_GA = P_TOT + 2048;       // fp32 [4][128]
 constexpr int P_GL = P_GA + 2048;        // fp32 [128]
 constexpr int SMEM = P_GL + 512;
 
+// d += (ah + al) b in 3xTF32 (hi x hi + hi x lo + lo x hi), b = this thread's two k slots of a B fragment (b.x: slot
+// t, b.y: slot t + 4), split by truncation.
+__device__ __forceinline__ void mma_3xtf32(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4], float2 b) {
+  uint32_t bh0, bl0, bh1, bl1;
+  split_tf32_trunc(b.x, bh0, bl0);
+  split_tf32_trunc(b.y, bh1, bl1);
+  mma_tf32(d, al, bh0, bh1);
+  mma_tf32(d, ah, bl0, bl1);
+  mma_tf32(d, ah, bh0, bh1);
+}
+
 // One level of the blocked inverse on tensor cores: for I - J = LEV, A_IJ = -A_II P with P = sum_{J <= m < I} L_Im
 // A_mJ, one warp per block (warps 0 .. 3 - LEV), both products in 3xTF32 (each operand split into tf32 hi + lo by
 // truncation, lo x lo dropped: ~2^-19 relative). The FP32-FMA form it replaces spent ~600 instructions per thread on
@@ -87,12 +98,7 @@ __device__ __forceinline__ void inv_level(const float* sL, float* sA, int warp, 
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {  // L_{I, m}^T
         const float2 b = *reinterpret_cast<const float2*>(sL + (16 * I + 8 * nt + g) * LDL + m);
-        uint32_t bh0, bl0, bh1, bl1;
-        split_tf32_trunc(b.x, bh0, bl0);
-        split_tf32_trunc(b.y, bh1, bl1);
-        mma_tf32(p[nt], al, bh0, bh1);
-        mma_tf32(p[nt], ah, bl0, bl1);
-        mma_tf32(p[nt], ah, bh0, bh1);
+        mma_3xtf32(p[nt], ah, al, b);
       }
     }
     float d[2][4];  // A_IJ^T, n-tile nt: rows n = g, g + 8, columns i = 8 nt + 2t, + 1
@@ -107,12 +113,7 @@ __device__ __forceinline__ void inv_level(const float* sL, float* sA, int warp, 
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {  // A_II^T
         const float2 b = *reinterpret_cast<const float2*>(sA + (16 * I + 8 * nt + g) * LDL + 16 * I + 8 * kk + 2 * t);
-        uint32_t bh0, bl0, bh1, bl1;
-        split_tf32_trunc(b.x, bh0, bl0);
-        split_tf32_trunc(b.y, bh1, bl1);
-        mma_tf32(d[nt], al, bh0, bh1);
-        mma_tf32(d[nt], ah, bl0, bl1);
-        mma_tf32(d[nt], ah, bh0, bh1);
+        mma_3xtf32(d[nt], ah, al, b);
       }
     }
 #pragma unroll
