@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,6 +59,30 @@ def host_events(trace, first_kernel: float, min_us: float) -> None:
             print(f"{float(e['ts']) - h0:10.1f} {float(e['dur']):9.1f}  {e['cat']:14s} {e['name'][:70]}")
 
 
+def run_before(spec: str, dev, workspace: bool) -> None:
+    """One untimed step of op at H (``spec`` = "H:OP"), its tensors freed after: what the benchmark's earlier cells
+    leave behind (allocator state, streams)."""
+    H, op = spec.split(":")
+    cu, *inputs = step_inputs(DOCS, int(H), dev)
+    x = tuple(t.requires_grad_() for t in inputs)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
+    ws = kda_kcp.WorkspaceKcp(ctx, int(H), device=dev) if workspace else None
+
+    def fn(*a):
+        return kda_kcp.chunk_kda_kcp(*a, ctx, deterministic=True, workspace=ws)
+
+    do = torch.randn(x[0].shape, device=dev, dtype=torch.bfloat16)
+    for _ in range(2):
+        if op == "fwd":
+            fn(*x)
+        elif op == "bwd":
+            torch.autograd.grad(fn(*x), x, do)
+        else:
+            torch.autograd.grad(torch.utils.checkpoint.checkpoint(fn, *x, use_reentrant=False), x, do)
+    torch.cuda.synchronize()
+    print(f"before: H = {H} {op}")
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--heads", type=int, default=16)
@@ -66,11 +91,16 @@ def main():
     p.add_argument("--gap", type=float, default=5.0, help="report idle gaps longer than this (us)")
     p.add_argument("--trace", type=Path, default=Path("/tmp/kda_trace.json"))
     p.add_argument("--workspace", action="store_true", help="pass a WorkspaceKcp, as the benchmark does")
+    p.add_argument("--before", nargs="*", default=[], metavar="H:OP",
+                   help="run these ops (fwd, bwd, ckpt) at these head counts first, untimed, in this process (the "
+                        "benchmark's cell order: e.g. --before 4:fwd 4:bwd 4:ckpt before the H = 16 forward)")
     p.add_argument("--host", type=float, default=None, metavar="US",
                    help="also list the host's ops and CUDA runtime calls of at least US microseconds, from the "
                         "start event's record (where the GPU waits for the host)")
     args = p.parse_args()
     dev = torch.device("cuda")
+    for spec in args.before:
+        run_before(spec, dev, args.workspace)
     cu, *inputs = step_inputs(DOCS, args.heads, dev)
     q, k, v, g, beta = (x.requires_grad_() for x in inputs)
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
