@@ -1,9 +1,9 @@
 // The chunk prep shared by the forward (kda_fwd.cu) and the backward (kda_bwd.cu): one CTA of 8 warps per
 // (chunk, head), two CTAs per SM (101 KB of shared memory, <= 128 registers). g and k are read straight into
 // registers; the anchored L / Aqk blocks are formed on tensor cores, all ten at once; A = (I + L)^-1 in FP32
-// (diagonal blocks by substitution, the others by level in 3xTF32); W = A diag(beta) (K o exp G). The record format is the caller's: a record policy
-// `Rec` (FwdRecord in kda_fwd.cu, BwdRecord in kda_bwd.cu) says where each piece goes and whether the
-// backward's extras are made (Rec::kBwd: P, A, U, L from K_r hi x Cc hi + lo instead of hi x hi).
+// (diagonal blocks by substitution, the others by level in 3xTF32); W = A diag(beta) (K o exp G). The record
+// format is the caller's: a record policy `Rec` (FwdRecord in kda_fwd.cu, BwdRecord in kda_bwd.cu) says where each
+// piece goes and whether the backward's extras are made (Rec::kBwd: P, A, U, L from K_r hi x Cc hi + lo instead of hi x hi).
 #pragma once
 
 #include "kda_common.cuh"
@@ -157,7 +157,7 @@ __device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, fl
     uint32_t bh[4], bl[4];
     ldb<128>(bh, sCch, ks * 16, J * 16, lane);
     if (DO_Q || Rec::kBwd || (PER_BLOCK && I > J)) ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
-    if (PER_BLOCK && I > J) {  // Cc_J o exp(G_aI - G_aJ) on the fragment's columns d, d + 1 (b[0], b[2]) and d + 8, d + 9
+    if (PER_BLOCK && I > J) {  // Cc_J o exp(G_aI - G_aJ) on the fragment's columns d, d + 1 (b[0], b[2]), d + 8, d + 9
       const int d = ks * 16 + l4 * 2;
       const float2 ga = *reinterpret_cast<const float2*>(sGa + I * D + d);
       const float2 gb = *reinterpret_cast<const float2*>(sGa + J * D + d);
@@ -253,8 +253,7 @@ struct Inputs {
 // (a 1-D grid, every head of a chunk before the next chunk: CTAs that run at once read neighbouring token rows and
 // write neighbouring records; H200, ncu, H = 16: the four groups' preps 1.59 / 1.32 / 1.04 / 0.76 -> 1.56 / 1.29 /
 // 1.02 / 0.75 ms against head-major, NOTES.md session 24); the backward's is head-major (blockIdx.x = chunk,
-// blockIdx.y = head).
-// (32-bit: the bindings check chunks x heads < 2^31)
+// blockIdx.y = head). 32-bit arithmetic: the bindings check chunks x heads < 2^31.
 template <class Rec>
 __device__ __forceinline__ unsigned launch_index() {
   if constexpr (Rec::kChunkMajor) return blockIdx.x;
@@ -271,15 +270,11 @@ __device__ __forceinline__ int2 chunk_head(unsigned b, int H) {
     return make_int2(static_cast<int>(b - h * gridDim.x), static_cast<int>(h));
   }
 }
-// the same for this CTA (32-bit arithmetic)
+// the same for this CTA (head-major: straight from the grid)
 template <class Rec>
 __device__ __forceinline__ int2 own_chunk_head(int H) {
-  if constexpr (Rec::kChunkMajor) {
-    const unsigned c = blockIdx.x / static_cast<unsigned>(H);
-    return make_int2(static_cast<int>(c), static_cast<int>(blockIdx.x - c * H));
-  } else {
-    return make_int2(static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y));
-  }
+  if constexpr (Rec::kChunkMajor) return chunk_head<Rec>(blockIdx.x, H);
+  else return make_int2(static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y));
 }
 
 // Pull into L2 the g, k and q rows of the CTA about one wave later in launch order (linear block index + 2 x SMs:
@@ -478,7 +473,8 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
       const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
       *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp_ftz(G0[i]), kf.y * fexp_ftz(G1[i]));
       if constexpr (!Rec::kBwd)
-        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = pack_f16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
+        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) =
+            pack_f16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
     }
   }
 
