@@ -908,16 +908,24 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     const int I = t / D + 1, d = t % D;
     sCF[t] = fexp(sG[f32_at<true>(16 * I, d)] - sG[f32_at<true>(16 * (I - 1), d)]);
   }
-  __syncthreads();  // the Cc sections lie over X, A, dA and T1
+  // the Cc sections lie over X, A, dA and T1; one anchor for the chunk where every column's gates sum to
+  // >= -kOneAnchor (G_63 includes row 0's gate, so it bounds G_0 - G_63; kda_chunk_prep.cuh)
+  const bool one_anchor = !__syncthreads_or(tid < D && sG[f32_at<true>(63, tid)] < -chunk_prep::kOneAnchor);
   // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
-  // Section I holds K_j exp(G_16I - G_j) for the rows j <= 16 I + 15. Row j of block b = j / 16 is formed with
-  // one exponential in section b and carried into sections b + 1 .. 3 by their steps exp(G_16I - G_16(I-1)):
-  // 64 exponentials per column instead of 160 (the staging was issue-bound on MUFU).
+  // Section I holds K_j exp(G_a - G_j) for the rows j <= 16 I + 15, anchored at a = 16 I, or at a = 0 for every I on
+  // a one-anchor chunk: then all rows go once into section 3 and every row block reads it. Otherwise row j of block
+  // b = j / 16 is formed with one exponential in section b and carried into sections b + 1 .. 3 by their steps
+  // exp(G_16I - G_16(I-1)): 64 exponentials per column instead of 160 (the staging was issue-bound on MUFU).
   for (int p = tid; p < C * (D / 2); p += NT) {
     const int j = p >> 6, d = (p & 63) * 2, b = j >> 4;  // a warp's 32 pieces share j, so b is warp-uniform
     const float2 kk = ld2<128>(B16(B_K), j, d);
-    float v0 = kk.x * fexp(sG[f32_at<true>(16 * b, d)] - sG[f32_at<true>(j, d)]);
-    float v1 = kk.y * fexp(sG[f32_at<true>(16 * b, d + 1)] - sG[f32_at<true>(j, d + 1)]);
+    const int a0 = one_anchor ? 0 : 16 * b;
+    float v0 = kk.x * fexp(sG[f32_at<true>(a0, d)] - sG[f32_at<true>(j, d)]);
+    float v1 = kk.y * fexp(sG[f32_at<true>(a0, d + 1)] - sG[f32_at<true>(j, d + 1)]);
+    if (one_anchor) {
+      st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(3) + j, d, v0, v1);
+      continue;
+    }
     st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(b) + j, d, v0, v1);
     for (int I = b + 1; I < 4; ++I) {
       const float2 f = *reinterpret_cast<const float2*>(sCF + (I - 1) * D + d);
@@ -929,21 +937,22 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   __syncthreads();
   {
     const int I = warp & 3;
-    const bf16* cch = B16(B_CCH) + cc_sec(I) * D;
-    const bf16* ccl = B16(B_CCL) + cc_sec(I) * D;
+    const int aI = one_anchor ? 0 : 16 * I;  // the anchor row of this row block's section
+    const bf16* cch = B16(B_CCH) + cc_sec(one_anchor ? 3 : I) * D;
+    const bf16* ccl = B16(B_CCL) + cc_sec(one_anchor ? 3 : I) * D;
     float acc[1][NT128][4];
     zero(acc);
     wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
     bf16* dq = static_cast<bf16*>(a.dq);
     const int g4 = lane >> 2, l4 = lane & 3;
-    // y = acc o exp(G_r - G_{16 I}): dX += y, Rg += x o y (x the bf16 row operand, q or k)
+    // y = acc o exp(G_r - G_aI): dX += y, Rg += x o y (x the bf16 row operand, q or k)
     auto add_pairwise_rows = [&](const float (&acc)[1][NT128][4], float (&dX)[1][NT128][4], const bf16* x) {
 #pragma unroll
       for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-          const float y = acc[0][ni][e] * fexp(sG[f32_at<true>(r, cc)] - sG[f32_at<true>(16 * I, cc)]);
+          const float y = acc[0][ni][e] * fexp(sG[f32_at<true>(r, cc)] - sG[f32_at<true>(aI, cc)]);
           dX[0][ni][e] += y;
           Rg[0][ni][e] += __bfloat162float(x[sw128(r, cc)]) * y;
         }
