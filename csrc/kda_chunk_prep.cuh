@@ -300,6 +300,112 @@ __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
   if (r + 32 < nrows) prefetch_l2(line + (r + 32) * row_bytes);
 }
 
+// From the cumulative gates (G0, G1: this thread's columns d0, d0 + 1 of rows 16 rq ..; k in kk) to the staged
+// tiles the inverse and W read: the anchored rows, L and Aqk, then X = K o exp(G) over the dead Kr tile and, in the
+// forward, Qg = s Q o exp(G) and Kg = K o exp(G_63 - G) staged in the dead Cc tiles. Anchored at the chunk's first
+// row (ONE: kOneAnchor holds) or each row block I at its first row a_I = 16 I (G is non-increasing): K_r =
+// K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo), the column side.
+// X, Qg (and with ONE, Kg) are products of the anchored rows' factors with per-column constants: exp(G) =
+// exp(G - G_a) exp(G_a) and exp(G_63 - G) = exp(G_a - G) exp(G_63 - G_a), no exp per element. Where exp(G_a)
+// underflows so does exp(G) (G <= G_a). The second form needs exp(G_63 - G_a) in range, which ONE guarantees
+// (>= e^-64); anchored per block, G_63 - G_a can reach -320 while G_63 - G stays small, so Kg keeps its exp there.
+// With ONE, X, Qg and Kg wait in registers (packed, 48 words) while L and Aqk take the tiles, and k and G die early.
+template <class Rec, bool ONE>
+__device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char* smem, const float (&G0)[16],
+                                                const float (&G1)[16], const uint32_t (&kk)[16], int64_t tok,
+                                                int nrows, int h) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int H = a.H;
+  __nv_bfloat16* sKr = reinterpret_cast<__nv_bfloat16*>(smem + P_KR);
+  __nv_bfloat16* sQrh = reinterpret_cast<__nv_bfloat16*>(smem + P_QRH);
+  __nv_bfloat16* sQrl = reinterpret_cast<__nv_bfloat16*>(smem + P_QRL);
+  __nv_bfloat16* sCch = reinterpret_cast<__nv_bfloat16*>(smem + P_CCH);
+  __nv_bfloat16* sCcl = reinterpret_cast<__nv_bfloat16*>(smem + P_CCL);
+  __nv_bfloat16* sX = reinterpret_cast<__nv_bfloat16*>(smem + P_X);
+  __half* sQgS = reinterpret_cast<__half*>(smem + P_QGS);
+  __half* sKgS = reinterpret_cast<__half*>(smem + P_KGS);
+  const float* sGa = reinterpret_cast<const float*>(smem + P_GA);
+  const float* sGl = reinterpret_cast<const float*>(smem + P_GL);
+  const __nv_bfloat16* sQ = reinterpret_cast<const __nv_bfloat16*>(smem + P_L);
+  const int cp = tid & 63, rq = tid >> 6;
+  const int d0 = cp * 2;
+
+  const float an0 = ONE ? sGa[d0] : G0[0], an1 = ONE ? sGa[d0 + 1] : G1[0];
+  const float gl0 = sGl[d0], gl1 = sGl[d0 + 1];
+  const float ex0 = fexp_ftz(an0), ex1 = fexp_ftz(an1);          // exp(G_a)
+  const float eq0 = a.scale * ex0, eq1 = a.scale * ex1;           // s exp(G_a)
+  const float ek0 = ONE ? fexp_ftz(gl0 - an0) : 0.f, ek1 = ONE ? fexp_ftz(gl1 - an1) : 0.f;  // exp(G_63 - G_a)
+  uint32_t xr[ONE ? 16 : 1], qgr[ONE && !Rec::kBwd ? 16 : 1], kgr[ONE && !Rec::kBwd ? 16 : 1];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int j = rq * 16 + i;
+    const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
+    const float2 qf = bf2_to_f2(*reinterpret_cast<const uint32_t*>(sQ + j * D + d0));
+    const float e0 = fexp_ftz(G0[i] - an0), e1 = fexp_ftz(G1[i] - an1);  // <= 1
+    const float kr0 = kf.x * e0, kr1 = kf.y * e1, qr0 = qf.x * e0, qr1 = qf.y * e1;
+    *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kr0, kr1);
+    uint32_t hi, lo;
+    split2(qr0, qr1, hi, lo);
+    *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
+    *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
+    const float cc0 = kf.x * frcp(e0), cc1 = kf.y * frcp(e1);  // K o exp(G_a - G) >= 1 (e0, e1 >= e^-80)
+    split2(cc0, cc1, hi, lo);
+    *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
+    *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
+    if constexpr (ONE) xr[i] = pack_bf16(kr0 * ex0, kr1 * ex1);
+    if constexpr (ONE && !Rec::kBwd) {
+      qgr[i] = pack_f16(qr0 * eq0, qr1 * eq1);
+      kgr[i] = pack_f16(cc0 * ek0, cc1 * ek1);
+    }
+    if constexpr (Rec::kBwd) {
+      *reinterpret_cast<uint32_t*>(Rec::qg(rec) + j * D + d0) = pack_bf16(qr0 * eq0, qr1 * eq1);
+      *reinterpret_cast<uint32_t*>(Rec::kg(rec) + j * D + d0) =
+          ONE ? pack_bf16(cc0 * ek0, cc1 * ek1)
+              : pack_bf16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
+    }
+  }
+  __syncthreads();
+
+  // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once ----
+  lq_blocks<Rec, !ONE>(smem, rec, a.scale, warp, lane);
+  __syncthreads();
+
+  if constexpr (Rec::kBwd) {  // V (for U) lands while X is formed and A inverted
+    __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + P_V);
+    const __nv_bfloat16* v = static_cast<const __nv_bfloat16*>(a.v) + (tok * H + h) * D;
+    for (int p = tid; p < C * D / 8; p += NT) {
+      const int r = p >> 4, c = (p & 15) * 8;
+      const bool ok = r < nrows;
+      cp_async16(sV + sw128(r, c), ok ? v + static_cast<int64_t>(r) * H * D + c : v, ok);
+    }
+    cp_async_commit();
+  }
+  // ---- X over the dead Kr tile; the forward's Qg and Kg staged in the dead Cc tiles (Qg anchored per block: from
+  //      the hi + lo rows, Q and G0 / G1 are not held for it) ----
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int j = rq * 16 + i;
+    if constexpr (ONE) {
+      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = xr[i];
+      if constexpr (!Rec::kBwd) {
+        *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = qgr[i];
+        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = kgr[i];
+      }
+    } else {
+      const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
+      if constexpr (!Rec::kBwd) {
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrh + sw128(j, d0)));
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrl + sw128(j, d0)));
+        *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = pack_f16((hi.x + lo.x) * eq0, (hi.y + lo.y) * eq1);
+      }
+      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp_ftz(G0[i]), kf.y * fexp_ftz(G1[i]));
+      if constexpr (!Rec::kBwd)
+        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) =
+            pack_f16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
+    }
+  }
+}
+
 // The prep of chunk ci, head h (chunk_head of the CTA) into `rec`. Rec (static members):
 //   kBwd                                       the backward's record (P, A, U; L from K_r x Cc hi + lo)
 //   kChunkMajor                                the launch order (chunk_head)
@@ -323,18 +429,11 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(a.k);
   const __nv_bfloat16* beta = static_cast<const __nv_bfloat16*>(a.beta);
 
-  __nv_bfloat16* sKr = reinterpret_cast<__nv_bfloat16*>(smem + P_KR);
-  __nv_bfloat16* sQrh = reinterpret_cast<__nv_bfloat16*>(smem + P_QRH);
-  __nv_bfloat16* sQrl = reinterpret_cast<__nv_bfloat16*>(smem + P_QRL);
-  __nv_bfloat16* sCch = reinterpret_cast<__nv_bfloat16*>(smem + P_CCH);
-  __nv_bfloat16* sCcl = reinterpret_cast<__nv_bfloat16*>(smem + P_CCL);
-  __nv_bfloat16* sX = reinterpret_cast<__nv_bfloat16*>(smem + P_X);
+  const __nv_bfloat16* sX = reinterpret_cast<const __nv_bfloat16*>(smem + P_X);
   float* sA = reinterpret_cast<float*>(smem + P_A);
   __nv_bfloat16* sAbh = reinterpret_cast<__nv_bfloat16*>(smem + P_ABH);
   __nv_bfloat16* sAbl = reinterpret_cast<__nv_bfloat16*>(smem + P_ABL);
   float* sL = reinterpret_cast<float*>(smem + P_L);
-  __half* sQgS = reinterpret_cast<__half*>(smem + P_QGS);  // the forward's Qg, Kg staged (fp16)
-  __half* sKgS = reinterpret_cast<__half*>(smem + P_KGS);
   float* sBeta = reinterpret_cast<float*>(smem + P_BETA);
   float* sTot = reinterpret_cast<float*>(smem + P_TOT);
   float* sGa = reinterpret_cast<float*>(smem + P_GA);
@@ -367,7 +466,6 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   }
   // q lands in shared memory (the L tile, unused until the products) while g is summed: row-major [64][128]
   // bf16 in 16-byte pieces, rows past the chunk zero-filled; waited for at the second barrier
-  const __nv_bfloat16* sQ = reinterpret_cast<const __nv_bfloat16*>(smem + P_L);
   for (int p = tid; p < C * D / 8; p += NT) {  // piece p = row p / 16, columns 8 (p % 16) ..: byte 16 p
     const int r = p >> 4, c = (p & 15) * 8;
     const bool ok = r < nrows;
@@ -411,74 +509,10 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   cp_async_wait_all();  // this thread's q pieces, visible to all after the barrier
   const bool one_anchor = !__syncthreads_or(rq == 3 && fminf(G0[15], G1[15]) < -kOneAnchor);
 
-  // ---- anchored rows, at the chunk's first row or each row block I at its first row a_I = 16 I (kOneAnchor;
-  //      G is non-increasing): K_r = K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo),
-  //      the column side (the backward also writes s Qg and Kg from registers here) ----
-  const float an0 = one_anchor ? sGa[d0] : G0[0], an1 = one_anchor ? sGa[d0 + 1] : G1[0];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int j = rq * 16 + i;
-    const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-    const float2 qf = bf2_to_f2(*reinterpret_cast<const uint32_t*>(sQ + j * D + d0));
-    const float e0 = fexp_ftz(G0[i] - an0), e1 = fexp_ftz(G1[i] - an1);  // <= 1
-    *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kf.x * e0, kf.y * e1);
-    uint32_t hi, lo;
-    split2(qf.x * e0, qf.y * e1, hi, lo);
-    *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
-    *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
-    split2(kf.x * frcp(e0), kf.y * frcp(e1), hi, lo);  // K o exp(G_a - G) >= 1 (e0, e1 >= e^-80)
-    *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
-    *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
-    if constexpr (Rec::kBwd) {
-      const float x0 = fexp_ftz(G0[i]), x1 = fexp_ftz(G1[i]);
-      *reinterpret_cast<uint32_t*>(Rec::qg(rec) + j * D + d0) = pack_bf16(a.scale * qf.x * x0, a.scale * qf.y * x1);
-      *reinterpret_cast<uint32_t*>(Rec::kg(rec) + j * D + d0) =
-          pack_bf16(kf.x * fexp_ftz(sGl[d0] - G0[i]), kf.y * fexp_ftz(sGl[d0 + 1] - G1[i]));
-    }
-  }
-  __syncthreads();
+  if (one_anchor) rows_and_blocks<Rec, true>(a, rec, smem, G0, G1, kk, tok, nrows, h);
+  else rows_and_blocks<Rec, false>(a, rec, smem, G0, G1, kk, tok, nrows, h);
 
-  // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once ----
-  if (one_anchor) lq_blocks<Rec, false>(smem, rec, a.scale, warp, lane);
-  else lq_blocks<Rec, true>(smem, rec, a.scale, warp, lane);
-  __syncthreads();
-
-  if constexpr (Rec::kBwd) {  // V (for U) lands while X is formed and A inverted
-    __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + P_V);
-    const __nv_bfloat16* v = static_cast<const __nv_bfloat16*>(a.v) + (tok * H + h) * D;
-    for (int p = tid; p < C * D / 8; p += NT) {
-      const int r = p >> 4, c = (p & 15) * 8;
-      const bool ok = r < nrows;
-      cp_async16(sV + sw128(r, c), ok ? v + static_cast<int64_t>(r) * rstride + c : v, ok);
-    }
-    cp_async_commit();
-  } else {
-    // ---- Qg = s Q o exp(G) = s (Q o exp(G - G_anchor)) exp(G_anchor), from the hi + lo anchored rows
-    //      (Q and G0/G1 are not held for it), staged in the dead Cc tiles ----
-    const float ea0 = a.scale * fexp_ftz(an0), ea1 = a.scale * fexp_ftz(an1);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrh + sw128(j, d0)));
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrl + sw128(j, d0)));
-      *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = pack_f16((hi.x + lo.x) * ea0, (hi.y + lo.y) * ea1);
-    }
-  }
-  // ---- X = K o exp(G) over the dead Kr tile; the forward: Kg = K o exp(G_63 - G), staged ----
-  {
-    const float gl0 = sGl[d0], gl1 = sGl[d0 + 1];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int j = rq * 16 + i;
-      const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp_ftz(G0[i]), kf.y * fexp_ftz(G1[i]));
-      if constexpr (!Rec::kBwd)
-        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) =
-            pack_f16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
-    }
-  }
-
-  __syncthreads();  // Qr is read (Qg) before A overwrites it
+  __syncthreads();  // the staged tiles are complete (and Qr read, anchored per block) before A overwrites Qr
   // ---- A = (I + L)^-1: diagonal blocks (column-oriented substitution, FP32), then levels (3xTF32) ----
   // (threads 0 .. 63, a serial chain; meanwhile the forward's other warps copy the staged Qg and Kg to the
   // record in 16-byte pieces, before A diag(beta) and the inverse's levels touch shared memory near them)

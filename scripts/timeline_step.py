@@ -97,10 +97,15 @@ def main():
     p.add_argument("--host", type=float, default=None, metavar="US",
                    help="also list the host's ops and CUDA runtime calls of at least US microseconds, from the "
                         "start event's record (where the GPU waits for the host)")
+    p.add_argument("--empty-cache", action="store_true",
+                   help="hand the caching allocator's free blocks back to the driver after the --before ops (does "
+                        "the measured step depend on where its tensors land?)")
     args = p.parse_args()
     dev = torch.device("cuda")
     for spec in args.before:
         run_before(spec, dev, args.workspace)
+    if args.empty_cache:
+        torch.cuda.empty_cache()
     cu, *inputs = step_inputs(DOCS, args.heads, dev)
     q, k, v, g, beta = (x.requires_grad_() for x in inputs)
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
