@@ -187,20 +187,29 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + Cfg::S_V);
   __nv_bfloat16* sO = reinterpret_cast<__nv_bfloat16*>(smem + Cfg::S_O) + warp * (C * 16);
 
+  // this thread's 16-byte pieces of a V tile: rows v_row + V_ROWS k, one column chunk; V_ROWS is a multiple of 8, so
+  // every piece has the same swizzle and the same address arithmetic but for its row: fixed here, not per step
+  constexpr int PPR = VT / 8, V_ROWS = NT / PPR, V_PIECES = C / V_ROWS;  // pieces per row, rows per pass, passes
+  static_assert(NT % PPR == 0 && V_ROWS % 8 == 0 && C % V_ROWS == 0, "V tile pieces");
+  const int64_t row_elems = static_cast<int64_t>(H) * D;  // elements per token row of v and o
+  const int v_row = tid / PPR;
+  const __nv_bfloat16* v_piece = vin + v_row * row_elems + h * D + vt0 + (tid % PPR) * 8;  // + token x row_elems
+  __nv_bfloat16* sv_piece = sV + swv<VT>(v_row, (tid % PPR) * 8);
+  // this lane's o pieces (rows lane / 2 + 16 it of its warp's 16 columns; + token x row_elems)
+  __nv_bfloat16* o_piece = OUT ? static_cast<__nv_bfloat16*>(a.o) + (lane >> 1) * row_elems + h * D + vt0 + wcol +
+                                     ((lane & 1) << 3)
+                               : nullptr;
   auto record = [&](int ch) { return ws + (rec0 + ch) * H * static_cast<int64_t>(kFwdRecordBytes) +
                                      static_cast<int64_t>(h) * kFwdRecordBytes; };
   // group A: A diag(beta) and the V tile (columns with a U term only)
   auto issue_a = [&](int ch, int2 ck) {
     if (isE) {
       copy_range<NT>(smem, record(ch), R_AB, TRI, tid);
-      const int64_t tok = ck.x;
-      const int nr = ck.y;
-      constexpr int PPR = VT / 8;  // 16-byte pieces per row
-      for (int p = tid; p < C * PPR; p += NT) {
-        const int r = p / PPR, c = (p % PPR) * 8;
-        const bool ok = r < nr;
-        const int64_t off = ok ? ((tok + r) * H + h) * D + vt0 + c : 0;
-        cp_async16(sV + swv<VT>(r, c), vin + off, ok);
+      const __nv_bfloat16* src = v_piece + ck.x * row_elems;
+#pragma unroll
+      for (int k = 0; k < V_PIECES; ++k) {
+        const bool ok = v_row + k * V_ROWS < ck.y;
+        cp_async16(sv_piece + k * V_ROWS * VT, ok ? src + k * V_ROWS * row_elems : vin, ok);
       }
     }
   };
@@ -420,17 +429,13 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
           sO[swv<16>(t, c)] = __float2bfloat16_rn(O[n][e] * inv);
         }
       __syncwarp();
-      const int64_t tok = cur.x;
-      const int nrows = cur.y;
-      __nv_bfloat16* o = static_cast<__nv_bfloat16*>(a.o);
+      // lane: rows lane / 2 + 16 it, 8 columns; 16 rows apart the swizzle repeats
+      __nv_bfloat16* dst = o_piece + cur.x * row_elems;
+      const __nv_bfloat16* so = sO + swv<16>(lane >> 1, (lane & 1) << 3);
 #pragma unroll
       for (int it = 0; it < 4; ++it) {
-        const int p = lane + it * 32;
-        const int r = p >> 1, c = (p & 1) << 3;
-        if (r < nrows) {
-          const uint4 val = *reinterpret_cast<const uint4*>(sO + swv<16>(r, c));
-          *reinterpret_cast<uint4*>(o + ((tok + r) * H + h) * D + vt0 + wcol + c) = val;
-        }
+        if ((lane >> 1) + 16 * it < cur.y)
+          *reinterpret_cast<uint4*>(dst + 16 * it * row_elems) = *reinterpret_cast<const uint4*>(so + 16 * it * 16);
       }
       __syncwarp();
     }
