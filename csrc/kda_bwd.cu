@@ -23,6 +23,7 @@
 #include "kda_chunk_prep.cuh"
 #include "kda_common.cuh"
 #include "kda_state_tile.cuh"
+#include "kda_tile_copy.cuh"
 
 namespace kda {
 namespace bwd {
@@ -108,27 +109,6 @@ __device__ __forceinline__ void st2(bf16* th, bf16* tl, int r, int c, float x0, 
 template <int RL>
 __device__ __forceinline__ float2 ld2(const bf16* t, int r, int c) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t + swz<RL>(r, c)));
-}
-
-// ROWS rows of a matrix of T (PR 16-byte pieces per row, global row stride gstride elements) -> a shared tile whose
-// layout `at(r, c)` (element offset) repeats every ld elements per row across a pass: rows >= nvalid are zero-filled.
-// A thread's pieces p = tid + NT k keep their column, so the tile offset and the source advance by constants: the
-// address arithmetic is done once per call, not per piece (per piece it was most of the walks' stage-load
-// instructions: ncu, NOTES.md session 8). RPI rows per pass; a swizzled layout must repeat within RPI rows.
-template <int NT, int ROWS, int PR, class T, class At>
-__device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int64_t gstride, int nvalid, int tid, At at) {
-  constexpr int E = 16 / sizeof(T), TOTAL = ROWS * PR;  // elements per piece, pieces in all
-  constexpr int RPI = TOTAL <= NT ? ROWS : NT / PR, PASSES = TOTAL <= NT ? 1 : TOTAL / NT;
-  static_assert(TOTAL <= NT || (NT % PR == 0 && TOTAL % NT == 0), "whole passes");
-  if (TOTAL < NT && tid >= TOTAL) return;
-  const int r0 = tid / PR, c = (tid % PR) * E;
-  T* d = dst + at(r0, c);
-  const T* s = src + r0 * gstride + c;
-#pragma unroll
-  for (int k = 0; k < PASSES; ++k) {
-    const bool ok = r0 + RPI * k < nvalid;
-    cp_async16(d + RPI * k * ld, ok ? s + RPI * k * gstride : src, ok);
-  }
 }
 
 // The C rows of a bf16 matrix with RL columns -> swizzled tile (swz<RL>: repeats every 8 rows).

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "kda_common.cuh"
+#include "kda_tile_copy.cuh"
 
 namespace kda {
 
@@ -372,14 +373,8 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
 
   if constexpr (Rec::kBwd) {  // V (for U) lands while X is formed and A inverted
     __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + P_V);
-    const __nv_bfloat16* v = static_cast<const __nv_bfloat16*>(a.v);
-    const int r0 = tid >> 4, c = (tid & 15) * 8;  // rows r0 + 16 k (the same swizzle), columns c ..
-    const __nv_bfloat16* vp = v + ((tok + r0) * H + h) * D + c;
-#pragma unroll
-    for (int k = 0; k < C / (NT / 16); ++k) {
-      const bool ok = r0 + k * (NT / 16) < nrows;
-      cp_async16(sV + sw128(r0 + k * (NT / 16), c), ok ? vp + static_cast<int64_t>(k * (NT / 16)) * H * D : v, ok);
-    }
+    load_rows<NT, C, D / 8>(sV, D, static_cast<const __nv_bfloat16*>(a.v) + (tok * H + h) * D, static_cast<int64_t>(H) * D,
+                            nrows, tid, [](int r, int c) { return sw128(r, c); });
     cp_async_commit();
   }
   // ---- X over the dead Kr tile; the forward's Qg and Kg staged in the dead Cc tiles (Qg anchored per block: from
@@ -468,15 +463,8 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   }
   // q lands in shared memory (the L tile, unused until the products) while g is summed: row-major [64][128]
   // bf16 in 16-byte pieces, rows past the chunk zero-filled; waited for at the second barrier
-  {  // piece tid + NT k = row tid / 16 + 16 k, columns 8 (tid % 16) ..: byte 16 (tid + NT k)
-    static_assert(NT % 16 == 0 && C % (NT / 16) == 0, "q pieces");
-    const __nv_bfloat16* qp = q + ((tok + (tid >> 4)) * H + h) * D + (tid & 15) * 8;
-#pragma unroll
-    for (int k = 0; k < C / (NT / 16); ++k) {
-      const bool ok = (tid >> 4) + k * (NT / 16) < nrows;
-      cp_async16(smem + P_L + (tid + k * NT) * 16, ok ? qp + static_cast<int64_t>(k * (NT / 16)) * rstride : q, ok);
-    }
-  }
+  load_rows<NT, C, D / 8>(reinterpret_cast<__nv_bfloat16*>(smem + P_L), D, q + (tok * H + h) * D, rstride, nrows, tid,
+                          [](int r, int c) { return r * D + c; });
   cp_async_commit();
   if (tid < C) sBeta[tid] = (tid < nrows) ? __bfloat162float(beta[(tok + tid) * H + h]) : 0.f;
   if constexpr (Rec::kBwd) {  // the strictly upper blocks of P and Aqk are never computed

@@ -28,6 +28,7 @@
 #include "kda_common.cuh"
 #include "kda_fwd.h"
 #include "kda_state_tile.cuh"
+#include "kda_tile_copy.cuh"
 
 #ifndef KDA_FWD_VN_LO
 #define KDA_FWD_VN_LO 1
@@ -145,9 +146,18 @@ __device__ __forceinline__ void rescale(float (&ST)[16][4], float r) {
     for (int e = 0; e < 4; ++e) ST[nt][e] *= r;
 }
 
-template <int NT>
-__device__ __forceinline__ void copy_range(char* smem, const char* rec, int from, int bytes, int tid) {
-  for (int p = tid; p < bytes / 16; p += NT) cp_async16(smem + from + p * 16, rec + from + p * 16, true);
+// bytes [FROM, FROM + BYTES) of a record to the same offsets in shared memory, 16-byte pieces tid + NT k: the sizes are
+// compile-time, so the loop unrolls into copies at fixed offsets from one pointer pair per thread (a generic loop with
+// its bound checks and 64-bit index arithmetic was ~340 of the walk step's instructions, NOTES.md session 26)
+template <int NT, int FROM, int BYTES>
+__device__ __forceinline__ void copy_range(char* smem, const char* rec, int tid) {
+  static_assert(FROM % 16 == 0 && BYTES % 16 == 0, "16-byte pieces");
+  constexpr int PIECES = BYTES / 16, FULL = PIECES / NT, REST = PIECES % NT;
+  char* d = smem + FROM + tid * 16;
+  const char* s = rec + FROM + tid * 16;
+#pragma unroll
+  for (int k = 0; k < FULL; ++k) cp_async16(d + k * NT * 16, s + k * NT * 16, true);
+  if (REST > 0 && tid < REST) cp_async16(d + FULL * NT * 16, s + FULL * NT * 16, true);
 }
 
 template <bool OUT, int NW>
@@ -187,14 +197,9 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + Cfg::S_V);
   __nv_bfloat16* sO = reinterpret_cast<__nv_bfloat16*>(smem + Cfg::S_O) + warp * (C * 16);
 
-  // this thread's 16-byte pieces of a V tile: rows v_row + V_ROWS k, one column chunk; V_ROWS is a multiple of 8, so
-  // every piece has the same swizzle and the same address arithmetic but for its row: fixed here, not per step
-  constexpr int PPR = VT / 8, V_ROWS = NT / PPR, V_PIECES = C / V_ROWS;  // pieces per row, rows per pass, passes
-  static_assert(NT % PPR == 0 && V_ROWS % 8 == 0 && C % V_ROWS == 0, "V tile pieces");
   const int64_t row_elems = static_cast<int64_t>(H) * D;  // elements per token row of v and o
-  const int v_row = tid / PPR;
-  const __nv_bfloat16* v_piece = vin + v_row * row_elems + h * D + vt0 + (tid % PPR) * 8;  // + token x row_elems
-  __nv_bfloat16* sv_piece = sV + swv<VT>(v_row, (tid % PPR) * 8);
+  // the V tile's columns of token row 0 (load_rows: a pass of NT / (VT / 8) = 16 rows keeps swv's row & 7)
+  const __nv_bfloat16* v_tile = vin + h * D + vt0;
   // this lane's o pieces (rows lane / 2 + 16 it of its warp's 16 columns; + token x row_elems)
   __nv_bfloat16* o_piece = OUT ? static_cast<__nv_bfloat16*>(a.o) + (lane >> 1) * row_elems + h * D + vt0 + wcol +
                                      ((lane & 1) << 3)
@@ -204,24 +209,20 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
   // group A: A diag(beta) and the V tile (columns with a U term only)
   auto issue_a = [&](int ch, int2 ck) {
     if (isE) {
-      copy_range<NT>(smem, record(ch), R_AB, TRI, tid);
-      const __nv_bfloat16* src = v_piece + ck.x * row_elems;
-#pragma unroll
-      for (int k = 0; k < V_PIECES; ++k) {
-        const bool ok = v_row + k * V_ROWS < ck.y;
-        cp_async16(sv_piece + k * V_ROWS * VT, ok ? src + k * V_ROWS * row_elems : vin, ok);
-      }
+      copy_range<NT, R_AB, TRI>(smem, record(ch), tid);
+      load_rows<NT, C, VT / 8>(sV, VT, v_tile + ck.x * row_elems, row_elems, ck.y, tid,
+                               [](int r, int c) { return swv<Cfg::VT>(r, c); });
     }
   };
   // group WQ: -W (and Qg)
-  auto issue_wq = [&](int ch) { copy_range<NT>(smem, record(ch), R_W, OUT ? 32768 : 16384, tid); };
+  auto issue_wq = [&](int ch) { copy_range<NT, R_W, OUT ? 32768 : 16384>(smem, record(ch), tid); };
   // group AK: Kg, (Aqk,) gamma
   auto issue_ak = [&](int ch) {
     if (OUT) {
-      copy_range<NT>(smem, record(ch), R_KG, R_AB - R_KG, tid);
+      copy_range<NT, R_KG, R_AB - R_KG>(smem, record(ch), tid);
     } else {
-      copy_range<NT>(smem, record(ch), R_KG, 16384, tid);
-      copy_range<NT>(smem, record(ch), R_GAM, 512, tid);
+      copy_range<NT, R_KG, 16384>(smem, record(ch), tid);
+      copy_range<NT, R_GAM, 512>(smem, record(ch), tid);
     }
   };
 

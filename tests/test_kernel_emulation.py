@@ -58,7 +58,8 @@ def _build(out: Path, defines: tuple[str, ...] = ()) -> Path:
     inc.mkdir()
     for f in ("cuda_runtime.h", "cuda_bf16.h", "cuda_fp16.h", "kda_common.cuh"):
         shutil.copy(EMU / f, inc / f)
-    for f in ("kda_state_tile.cuh", "kda_chunk_prep.cuh"):  # their "kda_common.cuh" is then the emulated one
+    # their "kda_common.cuh" is then the emulated one
+    for f in ("kda_state_tile.cuh", "kda_chunk_prep.cuh", "kda_tile_copy.cuh"):
         shutil.copy(ROOT / "csrc" / f, inc / f)
     (inc / "kda_affine_merge.cuh").write_text(_emulated((ROOT / "csrc" / "kda_affine_merge.cuh").read_text()))
     units = []
