@@ -199,6 +199,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 
   const int64_t row_elems = static_cast<int64_t>(H) * D;  // elements per token row of v and o
   // the V tile's columns of token row 0 (load_rows: a pass of NT / (VT / 8) = 16 rows keeps swv's row & 7)
+  static_assert((NT / (VT / 8)) % 8 == 0 && C % (NT / (VT / 8)) == 0, "V tile: whole passes of 8-row multiples");
   const __nv_bfloat16* v_tile = vin + h * D + vt0;
   // this lane's o pieces (rows lane / 2 + 16 it of its warp's 16 columns; + token x row_elems)
   __nv_bfloat16* o_piece = OUT ? static_cast<__nv_bfloat16*>(a.o) + (lane >> 1) * row_elems + h * D + vt0 + wcol +
