@@ -112,10 +112,15 @@ __device__ __forceinline__ float2 ld2(const bf16* t, int r, int c) {
 }
 
 // The C rows of a bf16 matrix with RL columns -> swizzled tile (swz<RL>: repeats every 8 rows).
-template <int RL, int NT>
+template <int RL, int NT, bool LOWER = false>
 __device__ __forceinline__ void load_bf16(bf16* dst, const bf16* src, int64_t gstride, int nvalid, int tid) {
   static_assert((NT / (RL / 8)) % 8 == 0, "a pass keeps row & 7");
-  load_rows<NT, C, RL / 8>(dst, RL, src, gstride, nvalid, tid, [](int r, int c) { return swz<RL>(r, c); });
+  load_rows<NT, C, RL / 8, LOWER>(dst, RL, src, gstride, nvalid, tid, [](int r, int c) { return swz<RL>(r, c); });
+}
+// A record's block lower triangular [64][64] bf16 matrix (Aqk, A hi or lo: kda_bwd.h) -> sw64 tile, upper blocks 0
+template <int NT>
+__device__ __forceinline__ void load_lower_bf16(bf16* dst, const bf16* src, int tid) {
+  load_bf16<64, NT, true>(dst, src, C, C, tid);
 }
 
 // Index of (row, col) in an fp32 [64][128] tile: row-major (SWZ = false), or with the 8-column groups
@@ -129,10 +134,10 @@ __device__ __forceinline__ int f32_at(int r, int c) {
   else return r * D + c;
 }
 
-// fp32 [ROWS][COLS] -> plain tile with row stride ld.
-template <int NT, int ROWS, int COLS>
+// fp32 [ROWS][COLS] -> plain tile with row stride ld (LOWER: block lower triangular, upper blocks zero-filled).
+template <int NT, int ROWS, int COLS, bool LOWER = false>
 __device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, int64_t gstride, int nvalid, int tid) {
-  load_rows<NT, ROWS, COLS / 4>(dst, ld, src, gstride, nvalid, tid, [ld](int r, int c) { return r * ld + c; });
+  load_rows<NT, ROWS, COLS / 4, LOWER>(dst, ld, src, gstride, nvalid, tid, [ld](int r, int c) { return r * ld + c; });
 }
 // fp32 [64][128] -> swizzled tile (f32_at<true>: repeats every 4 rows).
 template <int NT>
@@ -220,11 +225,6 @@ struct BwdRecord {
   static __device__ __forceinline__ bf16* a_hi(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAH); }
   static __device__ __forceinline__ bf16* a_lo(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAL); }
   static __device__ __forceinline__ float* u(char* rec) { return reinterpret_cast<float*>(rec + kRecU); }
-  static __device__ __forceinline__ void zero_upper(char* rec, int e) {
-    p(rec)[e] = 0.f;
-    reinterpret_cast<bf16*>(rec + kRecAqkH)[e] = __float2bfloat16_rn(0.f);
-    reinterpret_cast<bf16*>(rec + kRecAqkL)[e] = __float2bfloat16_rn(0.f);
-  }
   static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
     const int e = (16 * I + r) * C + 16 * J + c;
     reinterpret_cast<uint32_t*>(rec + kRecAqkH)[e / 2] = hi;
@@ -425,8 +425,8 @@ __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, i
   load_f32<NT, 1, D>(reinterpret_cast<float*>(st + Sh::RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
   if (withF) {
     load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, tid);
-    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, tid);
-    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, tid);
+    load_lower_bf16<NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), tid);
+    load_lower_bf16<NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), tid);
     const int64_t tok = a.chunks[2 * c];
     const int nrows = a.chunks[2 * c + 1];
     load_bf16<Sh::COLS, NT>(reinterpret_cast<bf16*>(st + Sh::RW_DO),
@@ -706,8 +706,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     load_walk_tile<NT>(B16(a_vn(z, kDVH)), rec + kRecDvn, z, 0, tid);
     if (kSVB) load_walk_tile<NT>(B16(a_vn(z, kDVL)), rec + kRecDvn, z, 1, tid);
   }
-  load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, tid);
-  if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, tid);
+  load_lower_bf16<NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), tid);
+  if (kSA) load_lower_bf16<NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), tid);
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
@@ -861,7 +861,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   __syncthreads();
   // ---- B3: T1 = A^T dA; dL = -(T1 A^T) strictly lower; dP = beta dL; dbeta partial sum(dL o P) ----
   const float* sP = reinterpret_cast<const float*>(smem + B_P);  // P lands while T1 is formed
-  load_f32<NT, C, C>(reinterpret_cast<float*>(smem + B_P), kPLd, gP, C, C, tid);
+  load_f32<NT, C, C, true>(reinterpret_cast<float*>(smem + B_P), kPLd, gP, C, C, tid);
   cp_async_commit();
   {
     float acc[1][NT64][4];
