@@ -146,19 +146,6 @@ __device__ __forceinline__ void load_f32_swz(float* dst, const float* src, int64
   load_rows<NT, C, D / 4>(dst, D, src, gstride, nvalid, tid, [](int r, int c) { return f32_at<true>(r, c); });
 }
 
-// hi (hl = 0) or lo (hl = 1) of V_new^T or dV_new^T, value columns of half z, from a record slot in the
-// walks' fragment order (kda_bwd.h) -> swizzled tile [value column 64][token 64]: a 16-byte piece of
-// unit row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column.
-template <int NT>
-__device__ __forceinline__ void load_walk_tile(bf16* dst, const char* slot, int z, int hl, int tid) {
-  for (int p = tid; p < C * 8; p += NT) {
-    const int R = p >> 3, g4 = p & 7;
-    const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
-    const int v = 16 * w + g4 + 8 * (i & 1), t0 = 16 * ks + 8 * (i >> 1);
-    cp_async16(dst + sw64(v, t0), slot + R * kWalkRowBytes + 256 * z + 128 * hl + 16 * g4, true);
-  }
-}
-
 // Cc section of anchor block I starts at this row (section I holds rows 0 .. 16 I + 15).
 __device__ __forceinline__ int cc_sec(int I) { return I * (I + 1) * 8; }
 
@@ -276,7 +263,7 @@ struct WalkShape {
 // One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk) for token step ks, as the
 // split A fragments hi / lo, into its half of a record slot (kRecVn / kRecDvn layout; `half` = the slot +
 // 256 z bytes): each store writes the warp's 32 words contiguously. The gradient kernel loads them
-// (load_walk_tile) instead of recomputing both products. Pinned stores (st_global_pinned): plain ones,
+// (load_walk_tiles) instead of recomputing both products. Pinned stores (st_global_pinned): plain ones,
 // sunk by the compiler, keep hi / lo live, and the reverse walk then spills 120 bytes instead of 4.
 __device__ __forceinline__ void store_half_frag(char* half, const uint32_t (&hi)[4], const uint32_t (&lo)[4], int warp,
                                                 int ks, int lane) {
@@ -634,6 +621,30 @@ constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
 constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
 constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^T and A^T dV_new
 
+// The walks' V_new^T and dV_new^T (hi, and lo where split), value halves 0 and 1, from the record slots in the
+// walks' fragment order (kda_bwd.h) -> the swizzled tiles a_vn(z, .) [value column 64][token 64]: a 16-byte piece of
+// unit row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column. Piece p = tid + NT k sits at the
+// same place in every tile and slot half, so a thread's offsets are computed once for all of them (one generic
+// loop per tile was 22 % of this kernel's static instructions, NOTES.md session 27).
+template <int NT>
+__device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int tid) {
+  static_assert((C * 8) % NT == 0, "whole pieces per thread");
+#pragma unroll
+  for (int k = 0; k < C * 8 / NT; ++k) {
+    const int p = tid + NT * k, R = p >> 3, g4 = p & 7;
+    const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
+    const int so = 2 * sw64(16 * w + g4 + 8 * (i & 1), 16 * ks + 8 * (i >> 1));  // bytes
+    const char* src = rec + R * kWalkRowBytes + 16 * g4;
+#pragma unroll
+    for (int z = 0; z < 2; ++z) {  // hi at byte 256 z of the row, lo 128 bytes later
+      cp_async16(smem + a_vn(z, kVNH) + so, src + kRecVn + 256 * z, true);
+      if (kSV) cp_async16(smem + a_vn(z, kVNL) + so, src + kRecVn + 256 * z + 128, true);
+      cp_async16(smem + a_vn(z, kDVH) + so, src + kRecDvn + 256 * z, true);
+      if (kSVB) cp_async16(smem + a_vn(z, kDVL) + so, src + kRecDvn + 256 * z + 128, true);
+    }
+  }
+}
+
 // Value half z of S (hi, from h) and dS (hi + lo, from dh) (kda_bwd.h) into the swizzled S^T, dS^T tiles [value
 // column 64][key 128], through registers: a 16-byte piece holds 8 adjacent keys of one value column, copied as
 // is (no conversion), and its S o dS products go into the thread's dgamma partials of those keys. Every piece a
@@ -699,13 +710,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   // ---- phase A loads ----
   load_bf16<128, NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, nrows, tid);
   load_bf16<128, NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
-#pragma unroll
-  for (int z = 0; z < 2; ++z) {
-    load_walk_tile<NT>(B16(a_vn(z, kVNH)), rec + kRecVn, z, 0, tid);
-    if (kSV) load_walk_tile<NT>(B16(a_vn(z, kVNL)), rec + kRecVn, z, 1, tid);
-    load_walk_tile<NT>(B16(a_vn(z, kDVH)), rec + kRecDvn, z, 0, tid);
-    if (kSVB) load_walk_tile<NT>(B16(a_vn(z, kDVL)), rec + kRecDvn, z, 1, tid);
-  }
+  load_walk_tiles<NT>(smem, rec, tid);
   load_lower_bf16<NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), tid);
   if (kSA) load_lower_bf16<NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), tid);
   cp_async_commit();
