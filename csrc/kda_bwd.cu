@@ -267,28 +267,26 @@ struct WalkShape {
 // sunk by the compiler, keep hi / lo live, and the reverse walk then spills 120 bytes instead of 4.
 __device__ __forceinline__ void store_half_frag(char* half, const uint32_t (&hi)[4], const uint32_t (&lo)[4], int warp,
                                                 int ks, int lane) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    char* row = half + (16 * warp + 4 * ks + i) * kWalkRowBytes + 4 * lane;
-    st_global_pinned(row, hi[i]);
-    st_global_pinned(row + 128, lo[i]);
-  }
+  char* row0 = half + (16 * warp + 4 * ks) * kWalkRowBytes + 4 * lane;  // rows + i: offsets in the instructions
+  static_for<4>([&](auto u) {
+    constexpr int i = decltype(u)::value;
+    st_global_pinned_at<i * kWalkRowBytes>(row0, hi[i]);
+    st_global_pinned_at<i * kWalkRowBytes + 128>(row0, lo[i]);
+  });
 }
 // h or dh of one chunk-head, value half z (`half` = the chunk-head's state + its half's offset): the warp's 16
 // value columns x 128 keys as bf16 hi (+ lo when LO) pairs of adjacent keys, each store 128 contiguous bytes
 // (kda_bwd.h: h is hi only, dh hi + lo). The gradient kernel reads them with stage_states.
 template <bool LO>
 __device__ __forceinline__ void store_state(char* half, const float (&ST)[16][4], int warp, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-    for (int eh = 0; eh < 2; ++eh) {
-      uint32_t hi, lo;
-      split2(ST[nt][2 * eh], ST[nt][2 * eh + 1], hi, lo);
-      char* p = half + (2 * (16 * warp + nt) + eh) * (LO ? 256 : 128) + 4 * lane;
-      st_global_pinned(p, hi);
-      if constexpr (LO) st_global_pinned(p + 128, lo);
-    }
+  char* row0 = half + 32 * warp * (LO ? 256 : 128) + 4 * lane;  // rows 32 warp + u, u = 2 nt + eh
+  static_for<32>([&](auto u) {
+    constexpr int nt = decltype(u)::value / 2, eh = decltype(u)::value % 2, off = decltype(u)::value * (LO ? 256 : 128);
+    uint32_t hi, lo;
+    split2(ST[nt][2 * eh], ST[nt][2 * eh + 1], hi, lo);
+    st_global_pinned_at<off>(row0, hi);
+    if constexpr (LO) st_global_pinned_at<off + 128>(row0, lo);
+  });
 }
 // chunk-head c, h of a state array of `bytes` per chunk-head whose value halves are `half_bytes` apart
 __device__ __forceinline__ char* state_half(char* base, int c, int h, int H, int col0, int bytes, int half_bytes) {
