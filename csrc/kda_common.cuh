@@ -376,6 +376,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(valid ? 16 : 0));
 }
+// The same with byte offsets DOFF (shared) and SOFF (global) from dst and src carried in the instruction: unrolled
+// copies from one pointer pair need no address arithmetic per piece (an asm address operand is a register).
+template <int DOFF, int SOFF>
+__device__ __forceinline__ void cp_async16_at(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0+%3], [%1+%4], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0), "n"(DOFF), "n"(SOFF));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // all but the most recently committed group have landed (double-buffered stage loads)

@@ -221,6 +221,9 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
 #endif
   t_async.open.push_back(c);
 }
+template <int DOFF, int SOFF> inline void cp_async16_at(void* dst, const void* src, bool valid) {
+  cp_async16(static_cast<char*>(dst) + DOFF, static_cast<const char*>(src) + SOFF, valid);
+}
 inline void cp_async_commit() { t_async.pending.push_back(std::move(t_async.open)); t_async.open.clear(); }
 inline void cp_async_wait_all() { cp_async_commit(); t_async.wait(0); }
 template <bool F16 = false>
