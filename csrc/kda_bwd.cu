@@ -134,6 +134,13 @@ __device__ __forceinline__ int f32_at(int r, int c) {
   else return r * D + c;
 }
 
+// The pair (r, c), (r, c + 1), c even, of an fp32 [64][128] tile in the f32_at<SWZ> layout: one 8-byte load (a
+// pair stays adjacent inside its 8-column group).
+template <bool SWZ>
+__device__ __forceinline__ float2 ld2_f32(const float* t, int r, int c) {
+  return *reinterpret_cast<const float2*>(t + f32_at<SWZ>(r, c));
+}
+
 // fp32 [ROWS][COLS] -> plain tile with row stride ld (LOWER: block lower triangular, upper blocks zero-filled).
 template <int NT, int ROWS, int COLS, bool LOWER = false>
 __device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, int64_t gstride, int nvalid, int tid) {
@@ -774,10 +781,11 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   cumsum_rows<false, NT, true>(sG, tid);
 
   float Rg[1][NT128][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
+  // (the epilogues below read their operands in pairs: an accumulator pair is two adjacent columns)
   epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-    const float e0 = fexp(sG[f32_at<true>(r, cc)]), e1 = fexp(sG[f32_at<true>(r, cc + 1)]);
-    x0 *= a.scale * e0;
-    x1 *= a.scale * e1;
+    const float2 gg = ld2_f32<true>(sG, r, cc);
+    x0 *= a.scale * fexp(gg.x);
+    x1 *= a.scale * fexp(gg.y);
   });
   // Rg = dq_partial o q  (dQg o Qg = s dO S^T o q o exp(G))
   {
@@ -785,18 +793,19 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
     for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        Rg[0][ni][e] = dQg[0][ni][e] * __bfloat162float(B16(B_Q)[sw128(r, cc)]);
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + g4 + 4 * e, cc = n128 + 8 * ni + 2 * l4;
+        const float2 qq = ld2<128>(B16(B_Q), r, cc);
+        Rg[0][ni][e] = dQg[0][ni][e] * qq.x;
+        Rg[0][ni][e + 1] = dQg[0][ni][e + 1] * qq.y;
       }
   }
   {
     float cs[NT128][2];
     epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-      const float Lg0 = sG[f32_at<true>(63, cc)], Lg1 = sG[f32_at<true>(63, cc + 1)];
-      const float d0 = fexp(Lg0 - sG[f32_at<true>(r, cc)]), d1 = fexp(Lg1 - sG[f32_at<true>(r, cc + 1)]);
-      x0 *= d0;
-      x1 *= d1;
+      const float2 lg = ld2_f32<true>(sG, 63, cc), gg = ld2_f32<true>(sG, r, cc);
+      x0 *= fexp(lg.x - gg.x);
+      x1 *= fexp(lg.y - gg.y);
     });
     const int g4 = lane >> 2, l4 = lane & 3;
 #pragma unroll
@@ -804,11 +813,14 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       cs[ni][0] = 0.f;
       cs[ni][1] = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        const float t = dKg[0][ni][e] * __bfloat162float(B16(B_K)[sw128(r, cc)]);  // dKg o Kg
-        Rg[0][ni][e] -= t;
-        cs[ni][e & 1] += t;
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + g4 + 4 * e, cc = n128 + 8 * ni + 2 * l4;
+        const float2 kq = ld2<128>(B16(B_K), r, cc);
+        const float t0 = dKg[0][ni][e] * kq.x, t1 = dKg[0][ni][e + 1] * kq.y;  // dKg o Kg
+        Rg[0][ni][e] -= t0;
+        Rg[0][ni][e + 1] -= t1;
+        cs[ni][0] += t0;
+        cs[ni][1] += t1;
       }
     }
 #pragma unroll
@@ -828,9 +840,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   });
   for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
-    const float2 kk = ld2<128>(B16(B_K), r, d);
-    st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(sG[f32_at<true>(r, d)]),
-             kk.y * fexp(sG[f32_at<true>(r, d + 1)]));
+    const float2 kk = ld2<128>(B16(B_K), r, d), gg = ld2_f32<true>(sG, r, d);
+    st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(gg.x), kk.y * fexp(gg.y));
   }
   __syncthreads();
 
@@ -849,15 +860,19 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
     for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        const float x = acc[0][ni][e];
-        const float eg = fexp(sG[f32_at<true>(r, cc)]);
-        const float kx = __bfloat162float(B16(B_K)[sw128(r, cc)]) * eg;  // Kexp
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + g4 + 4 * e, cc = n128 + 8 * ni + 2 * l4;
+        const float2 gg = ld2_f32<true>(sG, r, cc), kq = ld2<128>(B16(B_K), r, cc);
         const float b = sBeta[r];
-        dKg[0][ni][e] += b * x * eg;
-        Rg[0][ni][e] += b * x * kx;
-        rs[e >> 1] += x * kx;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const float x = acc[0][ni][e + u];
+          const float eg = fexp(u ? gg.y : gg.x);
+          const float kx = (u ? kq.y : kq.x) * eg;  // Kexp
+          dKg[0][ni][e + u] += b * x * eg;
+          Rg[0][ni][e + u] += b * x * kx;
+          rs[e >> 1] += x * kx;
+        }
       }
     store_row_sums(sDb, (2 * CG + cg) * C + m0, rs, lane);
   }
