@@ -112,10 +112,15 @@ __device__ __forceinline__ float2 ld2(const bf16* t, int r, int c) {
 }
 
 // The C rows of a bf16 matrix with RL columns -> swizzled tile (swz<RL>: repeats every 8 rows).
-template <int RL, int NT>
+template <int RL, int NT, bool LOWER = false>
 __device__ __forceinline__ void load_bf16(bf16* dst, const bf16* src, int64_t gstride, int nvalid, int tid) {
   static_assert((NT / (RL / 8)) % 8 == 0, "a pass keeps row & 7");
-  load_rows<NT, C, RL / 8>(dst, RL, src, gstride, nvalid, tid, [](int r, int c) { return swz<RL>(r, c); });
+  load_rows<NT, C, RL / 8, LOWER>(dst, RL, src, gstride, nvalid, tid, [](int r, int c) { return swz<RL>(r, c); });
+}
+// A record's block lower triangular [64][64] bf16 matrix (Aqk, A hi or lo: kda_bwd.h) -> sw64 tile, upper blocks 0
+template <int NT>
+__device__ __forceinline__ void load_lower_bf16(bf16* dst, const bf16* src, int tid) {
+  load_bf16<64, NT, true>(dst, src, C, C, tid);
 }
 
 // Index of (row, col) in an fp32 [64][128] tile: row-major (SWZ = false), or with the 8-column groups
@@ -129,29 +134,23 @@ __device__ __forceinline__ int f32_at(int r, int c) {
   else return r * D + c;
 }
 
-// fp32 [ROWS][COLS] -> plain tile with row stride ld.
-template <int NT, int ROWS, int COLS>
+// The pair (r, c), (r, c + 1), c even, of an fp32 [64][128] tile in the f32_at<SWZ> layout: one 8-byte load (a
+// pair stays adjacent inside its 8-column group).
+template <bool SWZ>
+__device__ __forceinline__ float2 ld2_f32(const float* t, int r, int c) {
+  return *reinterpret_cast<const float2*>(t + f32_at<SWZ>(r, c));
+}
+
+// fp32 [ROWS][COLS] -> plain tile with row stride ld (LOWER: block lower triangular, upper blocks zero-filled).
+template <int NT, int ROWS, int COLS, bool LOWER = false>
 __device__ __forceinline__ void load_f32(float* dst, int ld, const float* src, int64_t gstride, int nvalid, int tid) {
-  load_rows<NT, ROWS, COLS / 4>(dst, ld, src, gstride, nvalid, tid, [ld](int r, int c) { return r * ld + c; });
+  load_rows<NT, ROWS, COLS / 4, LOWER>(dst, ld, src, gstride, nvalid, tid, [ld](int r, int c) { return r * ld + c; });
 }
 // fp32 [64][128] -> swizzled tile (f32_at<true>: repeats every 4 rows).
 template <int NT>
 __device__ __forceinline__ void load_f32_swz(float* dst, const float* src, int64_t gstride, int nvalid, int tid) {
   static_assert((NT / (D / 4)) % 4 == 0, "a pass keeps row & 3");
   load_rows<NT, C, D / 4>(dst, D, src, gstride, nvalid, tid, [](int r, int c) { return f32_at<true>(r, c); });
-}
-
-// hi (hl = 0) or lo (hl = 1) of V_new^T or dV_new^T, value columns of half z, from a record slot in the
-// walks' fragment order (kda_bwd.h) -> swizzled tile [value column 64][token 64]: a 16-byte piece of
-// unit row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column.
-template <int NT>
-__device__ __forceinline__ void load_walk_tile(bf16* dst, const char* slot, int z, int hl, int tid) {
-  for (int p = tid; p < C * 8; p += NT) {
-    const int R = p >> 3, g4 = p & 7;
-    const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
-    const int v = 16 * w + g4 + 8 * (i & 1), t0 = 16 * ks + 8 * (i >> 1);
-    cp_async16(dst + sw64(v, t0), slot + R * kWalkRowBytes + 256 * z + 128 * hl + 16 * g4, true);
-  }
 }
 
 // Cc section of anchor block I starts at this row (section I holds rows 0 .. 16 I + 15).
@@ -220,11 +219,6 @@ struct BwdRecord {
   static __device__ __forceinline__ bf16* a_hi(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAH); }
   static __device__ __forceinline__ bf16* a_lo(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAL); }
   static __device__ __forceinline__ float* u(char* rec) { return reinterpret_cast<float*>(rec + kRecU); }
-  static __device__ __forceinline__ void zero_upper(char* rec, int e) {
-    p(rec)[e] = 0.f;
-    reinterpret_cast<bf16*>(rec + kRecAqkH)[e] = __float2bfloat16_rn(0.f);
-    reinterpret_cast<bf16*>(rec + kRecAqkL)[e] = __float2bfloat16_rn(0.f);
-  }
   static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
     const int e = (16 * I + r) * C + 16 * J + c;
     reinterpret_cast<uint32_t*>(rec + kRecAqkH)[e / 2] = hi;
@@ -276,32 +270,30 @@ struct WalkShape {
 // One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk) for token step ks, as the
 // split A fragments hi / lo, into its half of a record slot (kRecVn / kRecDvn layout; `half` = the slot +
 // 256 z bytes): each store writes the warp's 32 words contiguously. The gradient kernel loads them
-// (load_walk_tile) instead of recomputing both products. Pinned stores (st_global_pinned): plain ones,
+// (load_walk_tiles) instead of recomputing both products. Pinned stores (st_global_pinned): plain ones,
 // sunk by the compiler, keep hi / lo live, and the reverse walk then spills 120 bytes instead of 4.
 __device__ __forceinline__ void store_half_frag(char* half, const uint32_t (&hi)[4], const uint32_t (&lo)[4], int warp,
                                                 int ks, int lane) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    char* row = half + (16 * warp + 4 * ks + i) * kWalkRowBytes + 4 * lane;
-    st_global_pinned(row, hi[i]);
-    st_global_pinned(row + 128, lo[i]);
-  }
+  char* row0 = half + (16 * warp + 4 * ks) * kWalkRowBytes + 4 * lane;  // rows + i: offsets in the instructions
+  static_for<4>([&](auto u) {
+    constexpr int i = decltype(u)::value;
+    st_global_pinned_at<i * kWalkRowBytes>(row0, hi[i]);
+    st_global_pinned_at<i * kWalkRowBytes + 128>(row0, lo[i]);
+  });
 }
 // h or dh of one chunk-head, value half z (`half` = the chunk-head's state + its half's offset): the warp's 16
 // value columns x 128 keys as bf16 hi (+ lo when LO) pairs of adjacent keys, each store 128 contiguous bytes
 // (kda_bwd.h: h is hi only, dh hi + lo). The gradient kernel reads them with stage_states.
 template <bool LO>
 __device__ __forceinline__ void store_state(char* half, const float (&ST)[16][4], int warp, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-    for (int eh = 0; eh < 2; ++eh) {
-      uint32_t hi, lo;
-      split2(ST[nt][2 * eh], ST[nt][2 * eh + 1], hi, lo);
-      char* p = half + (2 * (16 * warp + nt) + eh) * (LO ? 256 : 128) + 4 * lane;
-      st_global_pinned(p, hi);
-      if constexpr (LO) st_global_pinned(p + 128, lo);
-    }
+  char* row0 = half + 32 * warp * (LO ? 256 : 128) + 4 * lane;  // rows 32 warp + u, u = 2 nt + eh
+  static_for<32>([&](auto u) {
+    constexpr int nt = decltype(u)::value / 2, eh = decltype(u)::value % 2, off = decltype(u)::value * (LO ? 256 : 128);
+    uint32_t hi, lo;
+    split2(ST[nt][2 * eh], ST[nt][2 * eh + 1], hi, lo);
+    st_global_pinned_at<off>(row0, hi);
+    if constexpr (LO) st_global_pinned_at<off + 128>(row0, lo);
+  });
 }
 // chunk-head c, h of a state array of `bytes` per chunk-head whose value halves are `half_bytes` apart
 __device__ __forceinline__ char* state_half(char* base, int c, int h, int H, int col0, int bytes, int half_bytes) {
@@ -425,8 +417,8 @@ __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, i
   load_f32<NT, 1, D>(reinterpret_cast<float*>(st + Sh::RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
   if (withF) {
     load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, tid);
-    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), C, C, tid);
-    load_bf16<64, NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), C, C, tid);
+    load_lower_bf16<NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), tid);
+    load_lower_bf16<NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), tid);
     const int64_t tok = a.chunks[2 * c];
     const int nrows = a.chunks[2 * c + 1];
     load_bf16<Sh::COLS, NT>(reinterpret_cast<bf16*>(st + Sh::RW_DO),
@@ -634,6 +626,30 @@ constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
 constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
 constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^T and A^T dV_new
 
+// The walks' V_new^T and dV_new^T (hi, and lo where split), value halves 0 and 1, from the record slots in the
+// walks' fragment order (kda_bwd.h) -> the swizzled tiles a_vn(z, .) [value column 64][token 64]: a 16-byte piece of
+// unit row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column. Piece p = tid + NT k sits at the
+// same place in every tile and slot half, so a thread's offsets are computed once for all of them (one generic
+// loop per tile was 22 % of this kernel's static instructions, NOTES.md session 27).
+template <int NT>
+__device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int tid) {
+  static_assert((C * 8) % NT == 0, "whole pieces per thread");
+#pragma unroll
+  for (int k = 0; k < C * 8 / NT; ++k) {
+    const int p = tid + NT * k, R = p >> 3, g4 = p & 7;
+    const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
+    const int so = 2 * sw64(16 * w + g4 + 8 * (i & 1), 16 * ks + 8 * (i >> 1));  // bytes
+    const char* src = rec + R * kWalkRowBytes + 16 * g4;
+#pragma unroll
+    for (int z = 0; z < 2; ++z) {  // hi at byte 256 z of the row, lo 128 bytes later
+      cp_async16(smem + a_vn(z, kVNH) + so, src + kRecVn + 256 * z, true);
+      if (kSV) cp_async16(smem + a_vn(z, kVNL) + so, src + kRecVn + 256 * z + 128, true);
+      cp_async16(smem + a_vn(z, kDVH) + so, src + kRecDvn + 256 * z, true);
+      if (kSVB) cp_async16(smem + a_vn(z, kDVL) + so, src + kRecDvn + 256 * z + 128, true);
+    }
+  }
+}
+
 // Value half z of S (hi, from h) and dS (hi + lo, from dh) (kda_bwd.h) into the swizzled S^T, dS^T tiles [value
 // column 64][key 128], through registers: a 16-byte piece holds 8 adjacent keys of one value column, copied as
 // is (no conversion), and its S o dS products go into the thread's dgamma partials of those keys. Every piece a
@@ -699,15 +715,9 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   // ---- phase A loads ----
   load_bf16<128, NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, nrows, tid);
   load_bf16<128, NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
-#pragma unroll
-  for (int z = 0; z < 2; ++z) {
-    load_walk_tile<NT>(B16(a_vn(z, kVNH)), rec + kRecVn, z, 0, tid);
-    if (kSV) load_walk_tile<NT>(B16(a_vn(z, kVNL)), rec + kRecVn, z, 1, tid);
-    load_walk_tile<NT>(B16(a_vn(z, kDVH)), rec + kRecDvn, z, 0, tid);
-    if (kSVB) load_walk_tile<NT>(B16(a_vn(z, kDVL)), rec + kRecDvn, z, 1, tid);
-  }
-  load_bf16<64, NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), C, C, tid);
-  if (kSA) load_bf16<64, NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), C, C, tid);
+  load_walk_tiles<NT>(smem, rec, tid);
+  load_lower_bf16<NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), tid);
+  if (kSA) load_lower_bf16<NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), tid);
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
@@ -771,10 +781,11 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   cumsum_rows<false, NT, true>(sG, tid);
 
   float Rg[1][NT128][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
+  // (the epilogues below read their operands in pairs: an accumulator pair is two adjacent columns)
   epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-    const float e0 = fexp(sG[f32_at<true>(r, cc)]), e1 = fexp(sG[f32_at<true>(r, cc + 1)]);
-    x0 *= a.scale * e0;
-    x1 *= a.scale * e1;
+    const float2 gg = ld2_f32<true>(sG, r, cc);
+    x0 *= a.scale * fexp(gg.x);
+    x1 *= a.scale * fexp(gg.y);
   });
   // Rg = dq_partial o q  (dQg o Qg = s dO S^T o q o exp(G))
   {
@@ -782,18 +793,19 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
     for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        Rg[0][ni][e] = dQg[0][ni][e] * __bfloat162float(B16(B_Q)[sw128(r, cc)]);
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + g4 + 4 * e, cc = n128 + 8 * ni + 2 * l4;
+        const float2 qq = ld2<128>(B16(B_Q), r, cc);
+        Rg[0][ni][e] = dQg[0][ni][e] * qq.x;
+        Rg[0][ni][e + 1] = dQg[0][ni][e + 1] * qq.y;
       }
   }
   {
     float cs[NT128][2];
     epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-      const float Lg0 = sG[f32_at<true>(63, cc)], Lg1 = sG[f32_at<true>(63, cc + 1)];
-      const float d0 = fexp(Lg0 - sG[f32_at<true>(r, cc)]), d1 = fexp(Lg1 - sG[f32_at<true>(r, cc + 1)]);
-      x0 *= d0;
-      x1 *= d1;
+      const float2 lg = ld2_f32<true>(sG, 63, cc), gg = ld2_f32<true>(sG, r, cc);
+      x0 *= fexp(lg.x - gg.x);
+      x1 *= fexp(lg.y - gg.y);
     });
     const int g4 = lane >> 2, l4 = lane & 3;
 #pragma unroll
@@ -801,11 +813,14 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       cs[ni][0] = 0.f;
       cs[ni][1] = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        const float t = dKg[0][ni][e] * __bfloat162float(B16(B_K)[sw128(r, cc)]);  // dKg o Kg
-        Rg[0][ni][e] -= t;
-        cs[ni][e & 1] += t;
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + g4 + 4 * e, cc = n128 + 8 * ni + 2 * l4;
+        const float2 kq = ld2<128>(B16(B_K), r, cc);
+        const float t0 = dKg[0][ni][e] * kq.x, t1 = dKg[0][ni][e + 1] * kq.y;  // dKg o Kg
+        Rg[0][ni][e] -= t0;
+        Rg[0][ni][e + 1] -= t1;
+        cs[ni][0] += t0;
+        cs[ni][1] += t1;
       }
     }
 #pragma unroll
@@ -825,9 +840,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   });
   for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
-    const float2 kk = ld2<128>(B16(B_K), r, d);
-    st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(sG[f32_at<true>(r, d)]),
-             kk.y * fexp(sG[f32_at<true>(r, d + 1)]));
+    const float2 kk = ld2<128>(B16(B_K), r, d), gg = ld2_f32<true>(sG, r, d);
+    st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(gg.x), kk.y * fexp(gg.y));
   }
   __syncthreads();
 
@@ -846,22 +860,26 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
     for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        const float x = acc[0][ni][e];
-        const float eg = fexp(sG[f32_at<true>(r, cc)]);
-        const float kx = __bfloat162float(B16(B_K)[sw128(r, cc)]) * eg;  // Kexp
+      for (int e = 0; e < 4; e += 2) {
+        const int r = m0 + g4 + 4 * e, cc = n128 + 8 * ni + 2 * l4;
+        const float2 gg = ld2_f32<true>(sG, r, cc), kq = ld2<128>(B16(B_K), r, cc);
         const float b = sBeta[r];
-        dKg[0][ni][e] += b * x * eg;
-        Rg[0][ni][e] += b * x * kx;
-        rs[e >> 1] += x * kx;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const float x = acc[0][ni][e + u];
+          const float eg = fexp(u ? gg.y : gg.x);
+          const float kx = (u ? kq.y : kq.x) * eg;  // Kexp
+          dKg[0][ni][e + u] += b * x * eg;
+          Rg[0][ni][e + u] += b * x * kx;
+          rs[e >> 1] += x * kx;
+        }
       }
     store_row_sums(sDb, (2 * CG + cg) * C + m0, rs, lane);
   }
   __syncthreads();
   // ---- B3: T1 = A^T dA; dL = -(T1 A^T) strictly lower; dP = beta dL; dbeta partial sum(dL o P) ----
   const float* sP = reinterpret_cast<const float*>(smem + B_P);  // P lands while T1 is formed
-  load_f32<NT, C, C>(reinterpret_cast<float*>(smem + B_P), kPLd, gP, C, C, tid);
+  load_f32<NT, C, C, true>(reinterpret_cast<float*>(smem + B_P), kPLd, gP, C, C, tid);
   cp_async_commit();
   {
     float acc[1][NT64][4];

@@ -31,6 +31,9 @@ constexpr int kRecP = 114688;     // fp32 [64][64]   P (strictly lower part)
 constexpr int kRecGam = 131072;   // fp32 [128]      gamma = exp(G_last)
 constexpr int kRecDvn = 131584;   // dV_new, written by the reverse walk (layout of kRecVn)
 constexpr int kPrepBytes = 164352;
+// Aqk, A and P are block lower triangular (16 x 16 blocks): the prep writes their 10 lower blocks (zeros above the
+// diagonal inside the diagonal blocks) and leaves the 6 strictly upper ones unwritten (18 KB of the record's
+// 128.5 KB); their readers copy the lower blocks and zero-fill the rest (load_rows<..., LOWER>).
 // V_new (over U) and dV_new, each bf16 hi + lo, in the walks' fragment order so that every store of a walk
 // warp writes 128 contiguous bytes: for the walk CTA of half z (value columns 64 z ..), warp w (16 columns),
 // token step ks and A-fragment register i, "row" R = 16 w + 4 ks + i of 512 bytes holds at byte 256 z the

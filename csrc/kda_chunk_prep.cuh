@@ -414,8 +414,8 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
 //               qg_kg_piece(rec, p, qg, kg)   16-byte piece p of the staged sw128 Qg, Kg tiles (fp16)
 //               ab(rec, I, J, r, c, x)        A diag(beta) pair of lower block (I, J), fp16
 // backward only: qg(rec), kg(rec) (bf16 [64][128]), p(rec) (fp32 [64][64]), a_hi(rec), a_lo(rec)
-//               (bf16 [64][64]), u(rec) (fp32 [64][128]), zero_upper(rec, p) (upper-block element p of
-//               P and Aqk)
+//               (bf16 [64][64]), u(rec) (fp32 [64][128]); P, Aqk and A in their lower 16 x 16 blocks only
+//               (kda_bwd.h)
 template <class Rec>
 __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* smem, int ci, int h) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -467,10 +467,6 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
                           [](int r, int c) { return r * D + c; });
   cp_async_commit();
   if (tid < C) sBeta[tid] = (tid < nrows) ? __bfloat162float(beta[(tok + tid) * H + h]) : 0.f;
-  if constexpr (Rec::kBwd) {  // the strictly upper blocks of P and Aqk are never computed
-    for (int p = tid; p < C * C; p += NT)
-      if (((p & 63) >> 4) > (p >> 10)) Rec::zero_upper(rec, p);
-  }
 
   // ---- cumsum of g per 16-row block, then block offsets ----
 #pragma unroll
@@ -530,8 +526,10 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     if constexpr (Rec::kBwd) {
       const float a0 = (j <= i) ? sA[i * LDL + j] : 0.f, a1 = (j + 1 <= i) ? sA[i * LDL + j + 1] : 0.f;
       split2(a0, a1, hi, lo);
-      *reinterpret_cast<uint32_t*>(Rec::a_hi(rec) + i * C + j) = hi;
-      *reinterpret_cast<uint32_t*>(Rec::a_lo(rec) + i * C + j) = lo;
+      if ((j >> 4) <= (i >> 4)) {  // the lower blocks only (kda_bwd.h)
+        *reinterpret_cast<uint32_t*>(Rec::a_hi(rec) + i * C + j) = hi;
+        *reinterpret_cast<uint32_t*>(Rec::a_lo(rec) + i * C + j) = lo;
+      }
       x0 = a0 * sBeta[j];
       x1 = a1 * sBeta[j + 1];
     } else {

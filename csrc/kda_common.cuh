@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <utility>
 
 namespace kda {
 
@@ -232,6 +233,23 @@ __device__ __forceinline__ void ldb_t(uint32_t (&b)[4], const T* t, int k0, int 
 __device__ __forceinline__ void st_global_pinned(void* p, uint32_t x) {
   asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(x));
 }
+// The same at byte OFF from p, the offset carried in the instruction: an asm address operand is a register, so an
+// offset added in C++ costs a 64-bit add per store (two IADD3; 128 per step in the reverse walk, NOTES.md session 27).
+template <int OFF>
+__device__ __forceinline__ void st_global_pinned_at(void* p, uint32_t x) {
+  asm volatile("st.global.b32 [%0+%2], %1;\n" ::"l"(p), "r"(x), "n"(OFF));
+}
+
+// f(std::integral_constant<int, I>()) for I = 0 .. N - 1 in order: an unrolled loop whose index is a constant
+// expression (a template argument such as st_global_pinned_at's offset)
+template <class F, int... I>
+__device__ __forceinline__ void static_for_seq(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>()), ...);
+}
+template <int N, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  static_for_seq(f, std::make_integer_sequence<int, N>());
+}
 
 // An 8-byte global load issued where it is written (asm volatile keeps it in order with the mma): a value needed
 // a phase later is requested early, not at its first use
@@ -357,6 +375,13 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(valid ? 16 : 0));
+}
+// The same with byte offsets DOFF (shared) and SOFF (global) from dst and src carried in the instruction: unrolled
+// copies from one pointer pair need no address arithmetic per piece (an asm address operand is a register).
+template <int DOFF, int SOFF>
+__device__ __forceinline__ void cp_async16_at(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0+%3], [%1+%4], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0), "n"(DOFF), "n"(SOFF));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }

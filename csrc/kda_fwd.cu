@@ -153,11 +153,13 @@ template <int NT, int FROM, int BYTES>
 __device__ __forceinline__ void copy_range(char* smem, const char* rec, int tid) {
   static_assert(FROM % 16 == 0 && BYTES % 16 == 0, "16-byte pieces");
   constexpr int PIECES = BYTES / 16, FULL = PIECES / NT, REST = PIECES % NT;
-  char* d = smem + FROM + tid * 16;
-  const char* s = rec + FROM + tid * 16;
-#pragma unroll
-  for (int k = 0; k < FULL; ++k) cp_async16(d + k * NT * 16, s + k * NT * 16, true);
-  if (REST > 0 && tid < REST) cp_async16(d + FULL * NT * 16, s + FULL * NT * 16, true);
+  char* d = smem + tid * 16;
+  const char* s = rec + tid * 16;
+  static_for<FULL>([&](auto k) {  // the offsets ride in the instructions
+    constexpr int off = FROM + decltype(k)::value * NT * 16;
+    cp_async16_at<off, off>(d, s, true);
+  });
+  if (REST > 0 && tid < REST) cp_async16_at<FROM + FULL * NT * 16, FROM + FULL * NT * 16>(d, s, true);
 }
 
 template <bool OUT, int NW>

@@ -10,7 +10,9 @@ namespace kda {
 // A thread's pieces p = tid + NT k keep their column, so the tile offset and the source advance by constants: the
 // address arithmetic is done once per call, not per piece (per piece it was most of the walks' stage-load
 // instructions: ncu, NOTES.md sessions 8 and 26). RPI rows per pass; a swizzled layout must repeat within RPI rows.
-template <int NT, int ROWS, int PR, class T, class At>
+// LOWER: a block lower triangular matrix (16 x 16 blocks) whose strictly upper blocks are not in memory: their
+// pieces are zero-filled without a read (the backward's Aqk, A and P, kda_bwd.h).
+template <int NT, int ROWS, int PR, bool LOWER = false, class T, class At>
 __device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int64_t gstride, int nvalid, int tid, At at) {
   constexpr int E = 16 / sizeof(T), TOTAL = ROWS * PR;  // elements per piece, pieces in all
   constexpr int RPI = TOTAL <= NT ? ROWS : NT / PR, PASSES = TOTAL <= NT ? 1 : TOTAL / NT;
@@ -21,7 +23,8 @@ __device__ __forceinline__ void load_rows(T* dst, int ld, const T* src, int64_t 
   const T* s = src + r0 * gstride + c;
 #pragma unroll
   for (int k = 0; k < PASSES; ++k) {
-    const bool ok = r0 + RPI * k < nvalid;
+    const int r = r0 + RPI * k;
+    const bool ok = r < nvalid && (!LOWER || (c >> 4) <= (r >> 4));
     cp_async16(d + RPI * k * ld, ok ? s + RPI * k * gstride : src, ok);
   }
 }

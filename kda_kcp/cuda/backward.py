@@ -33,10 +33,19 @@ from ..partition import coalesce_ranges
 from .common import _D, _c, check_tensors, env_choice, side_streams, sm_count, state_bytes
 
 __all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
-           "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load"]
+           "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load",
+           "record_lower_blocks"]
 
 PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
 REC_VN, REC_DVN = 81920, 131584  # byte offsets of the walks' V_new (over U) and dV_new; kda_bwd.h kRecVn, kRecDvn
+
+
+def record_lower_blocks(device="cpu") -> torch.Tensor:
+    """[64][64] bool, True on the 16 x 16 blocks (I, J <= I) of a record's Aqk, A and P that the prep writes: the
+    strictly upper blocks stay unwritten (kda_bwd.h), so a reader of a record must mask them."""
+    b = torch.arange(64, device=device) // 16
+    return b[None, :] <= b[:, None]
+
 
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
 ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "bwd_rev_summary", "merge_fold",

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 namespace kda {
 constexpr float kLog2e = 1.4426950408889634f;
@@ -187,6 +188,11 @@ template <int RL, class T> inline void ldb_t(uint32_t (&b)[4], const T* t, int k
   ldsm4t(b, frag_ptr<RL>(t, k0, n0, (lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4));
 }
 inline void st_global_pinned(void* p, uint32_t x) { std::memcpy(p, &x, 4); }
+template <int OFF> inline void st_global_pinned_at(void* p, uint32_t x) { std::memcpy(static_cast<char*>(p) + OFF, &x, 4); }
+template <class F, int... I> inline void static_for_seq(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>()), ...);
+}
+template <int N, class F> inline void static_for(F&& f) { static_for_seq(f, std::make_integer_sequence<int, N>()); }
 inline void prefetch_l2(const void*) {}
 inline unsigned sm_count() { return 132; }
 inline int2 ld_global_pinned_int2(const int32_t* p) { return make_int2(p[0], p[1]); }
@@ -214,6 +220,9 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
   std::memcpy(dst, c.bytes, 16);
 #endif
   t_async.open.push_back(c);
+}
+template <int DOFF, int SOFF> inline void cp_async16_at(void* dst, const void* src, bool valid) {
+  cp_async16(static_cast<char*>(dst) + DOFF, static_cast<const char*>(src) + SOFF, valid);
 }
 inline void cp_async_commit() { t_async.pending.push_back(std::move(t_async.open)); t_async.open.clear(); }
 inline void cp_async_wait_all() { cp_async_commit(); t_async.wait(0); }
