@@ -256,16 +256,28 @@ struct WalkShape {
   static constexpr int NT = NW * 32;      // threads per walk CTA
   static constexpr int COLS = 16 * NW;    // state columns per walk CTA
   static constexpr int UL = COLS + 4;     // fp32 row stride of the U tile
-  // forward stage: W, Kg (bf16 sw128), U tile (fp32 [64][UL]), gamma
+  // The state products by wgmma (sm_90a; whole warpgroups): a warpgroup's four warps read each W, Kg, Qg and Aqk
+  // fragment once from shared memory instead of once per warp, and issue a 64 x N product per instruction. W, Kg
+  // and Qg are then staged as two 64-key halves (swh: K-major for Kg^T and W^T, MN-major for Kg, Qg and W, as in the
+  // forward's walk); mma.sync (sm_100a / sm_103a) reads them as sw128 rows.
+  static constexpr bool WGMMA = KDA_HAS_WGMMA && NW % 4 == 0;
+  // forward stage: W, Kg (bf16), U tile (fp32 [64][UL]), gamma
   static constexpr int FW_W = 0, FW_KG = 16384, FW_U = 32768;
   static constexpr int FW_GAM = FW_U + C * UL * 4;
-  static constexpr int FW_STAGE = FW_GAM + 512;
-  // reverse stage: W, Kg, Qg (bf16 sw128), Aqk hi / lo (sw64), dO tile (bf16 [64][COLS], swizzled), gamma
+  static constexpr int FW_STAGE = (FW_GAM + 512 + 1023) / 1024 * 1024;  // stage 1's tiles on 1024-byte groups
+  // reverse stage: W, Kg, Qg (bf16), Aqk hi / lo (sw64), dO tile (bf16 [64][COLS], swizzled), gamma
   static constexpr int RW_W = 0, RW_KG = 16384, RW_QG = 32768, RW_AQH = 49152, RW_AQL = 57344, RW_DO = 65536;
   static constexpr int RW_GAM = RW_DO + C * COLS * 2;
-  static constexpr int RW_STAGE = RW_GAM + 512;
+  static constexpr int RW_STAGE = (RW_GAM + 512 + 1023) / 1024 * 1024;
   static_assert(2 * RW_STAGE <= 232448 && 2 * FW_STAGE <= 232448, "walk shared memory");
 };
+
+// A record's bf16 [64][128] W, Kg or Qg into a walk stage: swh (the wgmma layouts) or sw128 rows (mma.sync).
+template <int NT, bool SWH>
+__device__ __forceinline__ void load_walk_operand(bf16* dst, const bf16* src, int tid) {
+  if constexpr (SWH) load_rows<NT, C, D / 8>(dst, 64, src, D, C, tid, [](int r, int c) { return swh(r, c); });
+  else load_bf16<128, NT>(dst, src, D, C, tid);
+}
 
 // One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk) for token step ks, as the
 // split A fragments hi / lo, into its half of a record slot (kRecVn / kRecDvn layout; `half` = the slot +
@@ -316,6 +328,32 @@ __device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGa
   }
 }
 
+// ST += V^T B (hi + lo of V^T, four 16-token steps) by wgmma, after the products `pre` issues into the same
+// commit group: B = Kg or W of a stage, bf16 [64 tokens][128 keys] as swh, read MN-major (rows = K = tokens, the two
+// 64-key halves of N 8192 bytes apart). V^T's lo enters unless KDA_WALK_HI_ONLY or KDA_WALK_VN_HI_ONLY (as in the
+// mma.sync path's state_tile_rank16). A registers that `pre` reads stay the caller's to fence after.
+template <class Pre>
+__device__ __forceinline__ void rank64_wgmma(float (&ST)[16][4], uint32_t (&vh)[4][4], uint32_t (&vl)[4][4],
+                                             const bf16* B, Pre&& pre) {
+  constexpr bool LO = !KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY;
+  fence_frags(ST);
+  fence_frags(vh);
+  if constexpr (LO) fence_frags(vl);
+  wgmma_fence();  // ST (scaled by gamma) and V^T were written by ordinary instructions
+  pre();
+  const uint64_t db = sw128_desc(B, 8192);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    wgmma_n128_rs_mn(ST, vh[ks], db + ks * (2048 >> 4));
+    if constexpr (LO) wgmma_n128_rs_mn(ST, vl[ks], db + ks * (2048 >> 4));
+  }
+  wgmma_commit();
+  wgmma_wait0();
+  fence_frags(ST);
+  fence_frags(vh);
+  if constexpr (LO) fence_frags(vl);
+}
+
 // (The stage loads re-read the thread index: their per-thread offsets are then recomputed at each step instead of
 // being hoisted out of the chunk loop and held across the step's products.)
 template <int NW>
@@ -324,8 +362,8 @@ __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, i
   constexpr int NT = Sh::NT;
   const int tid = thread_index();
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::FW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
-  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
+  load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::FW_W), reinterpret_cast<const bf16*>(rec + kRecW), tid);
+  load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), tid);
   if (withU)
     load_f32<NT, C, Sh::COLS>(reinterpret_cast<float*>(st + Sh::FW_U), Sh::UL,
                               reinterpret_cast<const float*>(rec + kRecU) + col0, D, C, tid);
@@ -341,6 +379,8 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
   using Sh = WalkShape<NW>;
   constexpr int WCOLS = Sh::COLS, WUL = Sh::UL, FW_STAGE = Sh::FW_STAGE;
   extern __shared__ __align__(128) char smem[];
+  // wgmma's swizzle is on address bits: its B tiles must start on 1024-byte boundaries of the window
+  if (Sh::WGMMA && (smem_u32(smem) & 1023) != 0) __trap();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x, h = blockIdx.y, H = a.H;
   const int vz = blockIdx.z * WCOLS;
@@ -370,6 +410,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     } else {
       cp_async_wait_all();
     }
+    if constexpr (Sh::WGMMA) fence_async_smem();  // the stage's cp.async writes, then wgmma's reads
     __syncthreads();
     const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::FW_W);
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::FW_KG);
@@ -385,7 +426,30 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) VN[nt][e] = withU ? sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)] : 0.f;
-    state_tile_mul<true>(VN, ST, sW, lane);
+    if constexpr (Sh::WGMMA) {
+      uint32_t sh[8][4], sl[8][4];  // -S^T as A operands, k = keys
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        split_afrag(ST[2 * ks], ST[2 * ks + 1], sh[ks], sl[ks]);
+        negate_split(sh[ks], sl[ks]);
+      }
+      fence_frags(VN);
+      wgmma_fence();  // VN (U) and the A registers were written by ordinary instructions
+      const uint64_t dw = sw128_desc(sW);  // K-major: W's rows are the tokens (N)
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;  // the 64-key half, then 32 bytes per 16 keys
+        wgmma_n64_rs(VN, sh[ks], dw + k);
+        if constexpr (kWalkSLo) wgmma_n64_rs(VN, sl[ks], dw + k);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_frags(VN);
+      fence_frags(sh);
+      fence_frags(sl);
+    } else {
+      state_tile_mul<true>(VN, ST, sW, lane);
+    }
     uint32_t vh[4][4], vl[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
@@ -396,8 +460,12 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     }
     // S^T = S^T Diag(gamma) + V_new^T Kg
     decay_state(ST, sGam, l4);
+    if constexpr (Sh::WGMMA) {
+      rank64_wgmma(ST, vh, vl, sKg, [] {});
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
+      for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
+    }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
   if constexpr (SUMMARY) {
@@ -412,11 +480,11 @@ __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, i
   constexpr int NT = Sh::NT;
   const int tid = thread_index();
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
-  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::RW_W), reinterpret_cast<const bf16*>(rec + kRecW), D, C, tid);
-  load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), D, C, tid);
+  load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::RW_W), reinterpret_cast<const bf16*>(rec + kRecW), tid);
+  load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), tid);
   load_f32<NT, 1, D>(reinterpret_cast<float*>(st + Sh::RW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
   if (withF) {
-    load_bf16<128, NT>(reinterpret_cast<bf16*>(st + Sh::RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), D, C, tid);
+    load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::RW_QG), reinterpret_cast<const bf16*>(rec + kRecQg), tid);
     load_lower_bf16<NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQH), reinterpret_cast<const bf16*>(rec + kRecAqkH), tid);
     load_lower_bf16<NT>(reinterpret_cast<bf16*>(st + Sh::RW_AQL), reinterpret_cast<const bf16*>(rec + kRecAqkL), tid);
     const int64_t tok = a.chunks[2 * c];
@@ -433,6 +501,8 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
   using Sh = WalkShape<NW>;
   constexpr int WCOLS = Sh::COLS, RW_STAGE = Sh::RW_STAGE;
   extern __shared__ __align__(128) char smem[];
+  // wgmma's swizzle is on address bits: its B tiles must start on 1024-byte boundaries of the window
+  if (Sh::WGMMA && (smem_u32(smem) & 1023) != 0) __trap();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int r = blockIdx.x, h = blockIdx.y, H = a.H;
   const int vz = blockIdx.z * WCOLS;        // virtual column base of the CTA
@@ -465,6 +535,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
     } else {
       cp_async_wait_all();
     }
+    if constexpr (Sh::WGMMA) fence_async_smem();
     __syncthreads();
     const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::RW_W);
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::RW_KG);
@@ -479,24 +550,59 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
     // dV_new^T = dO^T Aqk + dS^T Kg^T
     float DV[8][4];
     zero_frags(DV);
-    if (withF) {
+    uint32_t ado[Sh::WGMMA ? 4 : 1][4];  // dO^T as A operands, k = tokens (wgmma: kept for dS^T's update)
+    if constexpr (Sh::WGMMA) {
+      uint32_t sh[8][4], sl[8][4];  // dS^T as A operands, k = keys
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) split_afrag(ST[2 * ks], ST[2 * ks + 1], sh[ks], sl[ks]);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
-        uint32_t ad[4];
-        lda_t<WCOLS>(ad, sDO, vloc, ks * 16, lane);
+        if (withF) lda_t<WCOLS>(ado[ks], sDO, vloc, ks * 16, lane);
+        else ado[ks][0] = ado[ks][1] = ado[ks][2] = ado[ks][3] = 0u;  // (summary M^T part: unused)
+      }
+      fence_frags(DV);
+      wgmma_fence();
+      if (withF) {  // Aqk read MN-major (rows = K = its rows t); its zero upper blocks add zeros
+        const uint64_t dah = sw128_desc(sAqh), dal = sw128_desc(sAql);
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          if (np <= ks) {
-            uint32_t bh[4], bl[4];
-            ldb_t<64>(bh, sAqh, ks * 16, np * 16, lane);
-            ldb_t<64>(bl, sAql, ks * 16, np * 16, lane);
-            mma_n16(DV[2 * np], DV[2 * np + 1], ad, bh);
-            mma_n16(DV[2 * np], DV[2 * np + 1], ad, bl);
+        for (int ks = 0; ks < 4; ++ks) {
+          wgmma_n64_rs_mn(DV, ado[ks], dah + ks * (2048 >> 4));
+          wgmma_n64_rs_mn(DV, ado[ks], dal + ks * (2048 >> 4));
+        }
+      }
+      const uint64_t dk = sw128_desc(sKg);  // K-major: Kg's rows are the tokens (N)
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks) {
+        const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;
+        wgmma_n64_rs(DV, sh[ks], dk + k);
+        if constexpr (kWalkSLo) wgmma_n64_rs(DV, sl[ks], dk + k);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_frags(DV);
+      fence_frags(sh);
+      fence_frags(sl);
+      fence_frags(ado);
+    } else {
+      if (withF) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          uint32_t ad[4];
+          lda_t<WCOLS>(ad, sDO, vloc, ks * 16, lane);
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            if (np <= ks) {
+              uint32_t bh[4], bl[4];
+              ldb_t<64>(bh, sAqh, ks * 16, np * 16, lane);
+              ldb_t<64>(bl, sAql, ks * 16, np * 16, lane);
+              mma_n16(DV[2 * np], DV[2 * np + 1], ad, bh);
+              mma_n16(DV[2 * np], DV[2 * np + 1], ad, bl);
+            }
           }
         }
       }
+      state_tile_mul<false>(DV, ST, sKg, lane);
     }
-    state_tile_mul<false>(DV, ST, sKg, lane);
     if constexpr (!SUMMARY) {  // dV_new for the gradient kernel (split again below: fewer live registers)
       char* dvn = half_slot(a, first + j, h, kRecDvn, vcol & 64);
 #pragma unroll
@@ -508,25 +614,42 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
     }
     // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
     decay_state(ST, sGam, l4);
-    if (withF) {
+    if constexpr (Sh::WGMMA) {
+      uint32_t vh[4][4], vl[4][4];  // -dV_new^T, k = tokens
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
-        uint32_t ad[4];
-        lda_t<WCOLS>(ad, sDO, vloc, ks * 16, lane);
+        split_afrag(DV[2 * ks], DV[2 * ks + 1], vh[ks], vl[ks]);
+        negate_split(vh[ks], vl[ks]);
+      }
+      rank64_wgmma(ST, vh, vl, sW, [&] {
+        if (withF) {  // Qg MN-major, like Kg in the forward walk
+          const uint64_t dq = sw128_desc(sQg, 8192);
 #pragma unroll
-        for (int np = 0; np < 8; ++np) {
-          uint32_t b[4];
-          ldb_t<128>(b, sQg, ks * 16, np * 16, lane);
-          mma_n16(ST[2 * np], ST[2 * np + 1], ad, b);
+          for (int ks = 0; ks < 4; ++ks) wgmma_n128_rs_mn(ST, ado[ks], dq + ks * (2048 >> 4));
+        }
+      });
+      fence_frags(ado);
+    } else {
+      if (withF) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          uint32_t ad[4];
+          lda_t<WCOLS>(ad, sDO, vloc, ks * 16, lane);
+#pragma unroll
+          for (int np = 0; np < 8; ++np) {
+            uint32_t b[4];
+            ldb_t<128>(b, sQg, ks * 16, np * 16, lane);
+            mma_n16(ST[2 * np], ST[2 * np + 1], ad, b);
+          }
         }
       }
-    }
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      uint32_t vh[4], vl[4];
-      split_afrag(DV[2 * ks], DV[2 * ks + 1], vh, vl);
-      negate_split(vh, vl);
-      state_tile_rank16(ST, vh, vl, sW, ks, lane);
+      for (int ks = 0; ks < 4; ++ks) {
+        uint32_t vh[4], vl[4];
+        split_afrag(DV[2 * ks], DV[2 * ks + 1], vh, vl);
+        negate_split(vh, vl);
+        state_tile_rank16(ST, vh, vl, sW, ks, lane);
+      }
     }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }

@@ -315,19 +315,25 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // D (this warp's 16 rows x 64 columns) += A (16 x 16, registers) B (16 x 64 via desc), FP32 accumulators;
 // operands bf16, or fp16 when F16
-#define KDA_WGMMA_N64(T)                                                                              \
+#define KDA_WGMMA_N64(T, TNSPB)                                                                       \
   asm volatile(                                                                                        \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                      \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " "                                         \
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                        \
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "              \
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"                                                     \
+      "{%32, %33, %34, %35}, %36, p, 1, 1, " TNSPB ";\n}\n"                                             \
       : KDA_WGMMA_ACC32(d)                                                                             \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1))
 template <bool F16 = false>
 __device__ __forceinline__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
-  if constexpr (F16) KDA_WGMMA_N64("f16");
-  else KDA_WGMMA_N64("bf16");
+  if constexpr (F16) KDA_WGMMA_N64("f16", "0");
+  else KDA_WGMMA_N64("bf16", "0");
+}
+// the same with B MN-major (rows = K, the 64 N-values of a row contiguous; the backward walks' Aqk)
+template <bool F16 = false>
+__device__ __forceinline__ void wgmma_n64_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (F16) KDA_WGMMA_N64("f16", "1");
+  else KDA_WGMMA_N64("bf16", "1");
 }
 // D (this warp's 16 rows x 128 columns) += A (16 x 16, registers) B (16 x 128, MN-major via desc)
 #define KDA_WGMMA_N128_MN(T)                                                                          \
@@ -360,6 +366,8 @@ __device__ void wgmma_commit();
 __device__ void wgmma_wait0();
 template <bool F16 = false>
 __device__ void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc);
+template <bool F16 = false>
+__device__ void wgmma_n64_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc);
 template <bool F16 = false>
 __device__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc);
 #endif

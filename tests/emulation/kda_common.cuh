@@ -296,5 +296,7 @@ inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
 template <bool F16 = false>
 inline void wgmma_n64_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<8, false, F16>(d, a, desc); }
 template <bool F16 = false>
+inline void wgmma_n64_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<8, true, F16>(d, a, desc); }
+template <bool F16 = false>
 inline void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc) { wgmma_rs<16, true, F16>(d, a, desc); }
 }  // namespace kda
