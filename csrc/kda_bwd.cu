@@ -12,6 +12,8 @@
 //                                          (gradient of the state leaving each chunk, bf16 hi + lo) and dV_new
 //                                          (bf16 hi + lo, into the record), or the backward summary
 //                                          (M^T | F) of a run from a zero dS.
+//                                          Both walks: the state products by wgmma on sm_90a (WalkShape::WGMMA),
+//                                          mma.sync elsewhere; bitwise the same results.
 //   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads)
 //                                          from the record, h, dh and the walks' V_new / dV_new,
 //                                          every product on tensor cores, bf16 hi + lo operands
@@ -244,7 +246,7 @@ __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
 //
 // 8 warps cover the whole state of a (run, head) (128 value columns) in one CTA. With 4 (64 columns, two CTAs per
 // (run, head)) both CTAs load the same W, Kg, Qg, Aqk and gamma every step, and a reverse-walk CTA (148 KB of
-// shared memory) takes an SM alone: at H = 16 the 128 reverse and 128 forward walk CTAs of the benchmark batch
+// shared memory, session 15; 151.5 KB with its stages on 1024-byte groups) takes an SM alone: at H = 16 the 128 reverse and 128 forward walk CTAs of the benchmark batch
 // could not all be resident, and the longest run's reverse walk started 2 ms late (timeline_step.py, session 15).
 // With 8 warps 64 + 64 CTAs fit and the records are read once per step. But an 8-warp CTA steps slower than a
 // 4-warp one alone on its SM (two warps per SM sub-partition): a launch of few CTAs (the KCP exchange's run
