@@ -80,6 +80,12 @@ def emu(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def emu_mma(tmp_path_factory):
+    """The same kernels built as for an arch without wgmma (sm_100a / sm_103a): the walks' products on mma.sync."""
+    return ctypes.CDLL(str(_build(tmp_path_factory.mktemp("kda_emu_mma"), ("-DKDA_HAS_WGMMA=0",))))
+
+
+@pytest.fixture(scope="module")
 def emu_eager(tmp_path_factory):
     """The same kernels with every cp.async landing at its issue as well as at its wait."""
     return ctypes.CDLL(str(_build(tmp_path_factory.mktemp("kda_emu_eager"), ("-DKDA_EMU_CP_ASYNC_EAGER",))))
@@ -212,33 +218,53 @@ def test_records_walks_and_summaries(emu):
     dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, dso)
     _, e_ref, m_ref = state_walk(pr, cs.steps, None, summary=True)  # each run's map from a zero start
     _, f_ref, mt_ref = reverse_walk(pr, doc, cs.steps, SCALE, None, summary=True)
-    vn_ref = dvn_ref = None
+    vn_ref = U - W @ h_ref
+    dvn_ref = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
     outs = {}
     for warps in (8, 4):  # the two CTA widths of the walks: the same per-warp work, so the same bits
-        if warps == 4:
-            chunks, runs, prep = _prep(emu, plan, inputs)  # fresh records: the forward walk wrote V_new over U
-            rec = prep.view(nc, H, cb.PREP_BYTES)
-        # the summaries first: the forward walk writes V_new over U (the library's order too)
-        m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
-        assert emu.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e), warps) == 0
-        assert emu.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f), warps) == 0
-        h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-        dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-        assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h), warps) == 0
-        assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh), warps) == 0
-        vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
-        if vn_ref is None:
-            vn_ref = U - W @ h_ref
-            dvn_ref = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
-        h, dh = cb.hi_states(h), cb.split_states(dh)
-        outs[warps] = {"h": h, "dh": dh, "M": m, "E": e, "Mt": mt, "F": f, "V_new": vn, "dV_new": dvn}
-        for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("M", m, m_ref), ("E", e, e_ref), ("Mt", mt, mt_ref),
-                           ("F", f, f_ref), ("V_new", vn, vn_ref), ("dV_new", dvn, dvn_ref)):
+        outs[warps] = _walk_outputs(emu, plan, inputs, do, sin, dso, warps)
+        for name, r in (("h", h_ref), ("dh", dh_ref), ("M", m_ref), ("E", e_ref), ("Mt", mt_ref), ("F", f_ref),
+                        ("V_new", vn_ref), ("dV_new", dvn_ref)):
+            x = outs[warps][name]
             err = _rel(x, r)
             print(f"emulated {warps}-warp walk {name}: vs torch {err:.2e}")
             assert torch.isfinite(x).all() and err <= 1e-2, (warps, name)
     for name in outs[8]:
         assert torch.equal(outs[8][name], outs[4][name]), f"{name}: 8-warp and 4-warp walks differ"
+
+
+def _walk_outputs(lib, plan, inputs, do, sin, dso, warps):
+    """h, dh, the summaries M, E, M^T, F and the walks' V_new, dV_new of the backward's walks (CTAs of ``warps``
+    warps) on fresh records of ``lib``."""
+    H, R = inputs[0].shape[1], plan.num_runs
+    chunks, runs, prep = _prep(lib, plan, inputs)
+    nc = chunks.shape[0]
+    rec = prep.view(nc, H, cb.PREP_BYTES)
+    # the summaries first: the forward walk writes V_new over U (the library's order too)
+    m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
+    assert lib.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e), warps) == 0
+    assert lib.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f), warps) == 0
+    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h), warps) == 0
+    assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh), warps) == 0
+    vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
+    return {"h": cb.hi_states(h), "dh": cb.split_states(dh), "M": m, "E": e, "Mt": mt, "F": f, "V_new": vn,
+            "dV_new": dvn}
+
+
+def test_walks_on_mma_sync_equal_wgmma(emu, emu_mma):
+    """The backward's walks and summaries built without wgmma (the sm_100a / sm_103a kernels, whose mma.sync path no
+    GPU here runs) give the bits of the wgmma build (the sm_90a kernels): the same products in the same order, the
+    emulated tensor cores summing each k16 step in FP64 alike. (On the H200 the two forms also agreed bit for bit:
+    NOTES.md session 28.)"""
+    plan, inputs, do, sin, dso = _case([0, 70, 230], 2, 5)
+    for warps in (8, 4):
+        a = _walk_outputs(emu, plan, inputs, do, sin, dso, warps)
+        b = _walk_outputs(emu_mma, plan, inputs, do, sin, dso, warps)
+        for name in a:
+            assert torch.isfinite(a[name]).all(), (warps, name)
+            assert torch.equal(a[name], b[name]), f"{warps}-warp {name}: mma.sync and wgmma walks differ"
 
 
 def test_gradient_kernel(emu):

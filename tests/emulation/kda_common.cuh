@@ -249,7 +249,9 @@ inline void cp_async_wait1() { t_async.wait(1); }
 // (bits 4-6 XOR bits 7-9). A descriptor this code does not model (another layout or group stride, a start
 // outside the first row of a 1024-byte group, or not on one for MN-major) aborts.
 // The emulation runs it synchronously: a missing fence or wait is not caught here.
+#ifndef KDA_HAS_WGMMA  // -DKDA_HAS_WGMMA=0: the kernels' mma.sync paths (sm_100a / sm_103a), tests/test_kernel_emulation.py
 #define KDA_HAS_WGMMA 1
+#endif
 inline uint32_t smem_u32(const void* p) { return uint32_t(static_cast<const char*>(p) - g_smem); }
 inline int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
 inline uint64_t sw128_desc(const void* tile, uint32_t lbo = 16) {
