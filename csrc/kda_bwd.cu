@@ -330,6 +330,35 @@ __device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGa
   }
 }
 
+// acc (this warp's 16 value columns x 64 tokens) += (-1)^NEG S^T B^T by wgmma, after the products `pre` issues into
+// the same commit group: S^T from the state's accumulators as hi + lo A operands (eight 16-key steps), B = W or Kg of
+// a stage, bf16 [64 tokens][128 keys] as swh, read K-major (rows = N = tokens). The wgmma form of state_tile_mul;
+// A registers that `pre` reads stay the caller's to fence after.
+template <bool NEG, class Pre>
+__device__ __forceinline__ void mul64_wgmma(float (&acc)[8][4], const float (&ST)[16][4], const bf16* B, Pre&& pre) {
+  uint32_t sh[8][4], sl[8][4];
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    split_afrag(ST[2 * ks], ST[2 * ks + 1], sh[ks], sl[ks]);
+    if constexpr (NEG) negate_split(sh[ks], sl[ks]);
+  }
+  fence_frags(acc);
+  wgmma_fence();  // acc and the A registers were written by ordinary instructions
+  pre();
+  const uint64_t db = sw128_desc(B);
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;  // the 64-key half, then 32 bytes per 16 keys
+    wgmma_n64_rs(acc, sh[ks], db + k);
+    if constexpr (kWalkSLo) wgmma_n64_rs(acc, sl[ks], db + k);
+  }
+  wgmma_commit();
+  wgmma_wait0();
+  fence_frags(acc);
+  fence_frags(sh);
+  fence_frags(sl);
+}
+
 // ST += V^T B (hi + lo of V^T, four 16-token steps) by wgmma, after the products `pre` issues into the same
 // commit group: B = Kg or W of a stage, bf16 [64 tokens][128 keys] as swh, read MN-major (rows = K = tokens, the two
 // 64-key halves of N 8192 bytes apart). V^T's lo enters unless KDA_WALK_HI_ONLY or KDA_WALK_VN_HI_ONLY (as in the
@@ -428,30 +457,8 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) VN[nt][e] = withU ? sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)] : 0.f;
-    if constexpr (Sh::WGMMA) {
-      uint32_t sh[8][4], sl[8][4];  // -S^T as A operands, k = keys
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        split_afrag(ST[2 * ks], ST[2 * ks + 1], sh[ks], sl[ks]);
-        negate_split(sh[ks], sl[ks]);
-      }
-      fence_frags(VN);
-      wgmma_fence();  // VN (U) and the A registers were written by ordinary instructions
-      const uint64_t dw = sw128_desc(sW);  // K-major: W's rows are the tokens (N)
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;  // the 64-key half, then 32 bytes per 16 keys
-        wgmma_n64_rs(VN, sh[ks], dw + k);
-        if constexpr (kWalkSLo) wgmma_n64_rs(VN, sl[ks], dw + k);
-      }
-      wgmma_commit();
-      wgmma_wait0();
-      fence_frags(VN);
-      fence_frags(sh);
-      fence_frags(sl);
-    } else {
-      state_tile_mul<true>(VN, ST, sW, lane);
-    }
+    if constexpr (Sh::WGMMA) mul64_wgmma<true>(VN, ST, sW, [] {});
+    else state_tile_mul<true>(VN, ST, sW, lane);
     uint32_t vh[4][4], vl[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
@@ -554,36 +561,21 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
     zero_frags(DV);
     uint32_t ado[Sh::WGMMA ? 4 : 1][4];  // dO^T as A operands, k = tokens (wgmma: kept for dS^T's update)
     if constexpr (Sh::WGMMA) {
-      uint32_t sh[8][4], sl[8][4];  // dS^T as A operands, k = keys
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) split_afrag(ST[2 * ks], ST[2 * ks + 1], sh[ks], sl[ks]);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         if (withF) lda_t<WCOLS>(ado[ks], sDO, vloc, ks * 16, lane);
         else ado[ks][0] = ado[ks][1] = ado[ks][2] = ado[ks][3] = 0u;  // (summary M^T part: unused)
       }
-      fence_frags(DV);
-      wgmma_fence();
-      if (withF) {  // Aqk read MN-major (rows = K = its rows t); its zero upper blocks add zeros
-        const uint64_t dah = sw128_desc(sAqh), dal = sw128_desc(sAql);
+      mul64_wgmma<false>(DV, ST, sKg, [&] {
+        if (withF) {  // Aqk read MN-major (rows = K = its rows t); its zero upper blocks add zeros
+          const uint64_t dah = sw128_desc(sAqh), dal = sw128_desc(sAql);
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          wgmma_n64_rs_mn(DV, ado[ks], dah + ks * (2048 >> 4));
-          wgmma_n64_rs_mn(DV, ado[ks], dal + ks * (2048 >> 4));
+          for (int ks = 0; ks < 4; ++ks) {
+            wgmma_n64_rs_mn(DV, ado[ks], dah + ks * (2048 >> 4));
+            wgmma_n64_rs_mn(DV, ado[ks], dal + ks * (2048 >> 4));
+          }
         }
-      }
-      const uint64_t dk = sw128_desc(sKg);  // K-major: Kg's rows are the tokens (N)
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;
-        wgmma_n64_rs(DV, sh[ks], dk + k);
-        if constexpr (kWalkSLo) wgmma_n64_rs(DV, sl[ks], dk + k);
-      }
-      wgmma_commit();
-      wgmma_wait0();
-      fence_frags(DV);
-      fence_frags(sh);
-      fence_frags(sl);
+      });
       fence_frags(ado);
     } else {
       if (withF) {
