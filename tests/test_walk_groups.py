@@ -40,16 +40,17 @@ def test_walk_groups_of_the_benchmark_batch(monkeypatch):
 
 
 def test_segmented_walks_in_halves(monkeypatch):
-    """At H = 4 the benchmark batch's walks are segmented: two groups of whole segments, the first half of the
-    chunk table and the second, every segment in exactly one, both walk tables split alike."""
-    monkeypatch.delenv("KDA_KCP_BWD_SEG_CHUNKS", raising=False)
+    """The benchmark batch's walks in 45-chunk segments at H = 4 (the estimate's choice there before session 29):
+    two groups of whole segments, the first half of the chunk table and the second, every segment in exactly one,
+    both walk tables split alike."""
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "45")
     monkeypatch.delenv("KDA_KCP_BWD_WALK_GROUPS", raising=False)
     cu = [0]
     for n in BENCH_DOCS:
         cu.append(cu[-1] + n)
     plan = local_plan(cu)
     st = cb._seg_tables(plan, 4, "cpu")
-    assert st.num_sum_f > 0 and st.num_sum_r > 0  # segmented at H = 4
+    assert st.num_sum_f > 0 and st.num_sum_r > 0  # segmented
     groups = cb._walk_groups(plan, 4, "cpu")
     assert len(groups) == 2
     (a0, a1), = groups[0].ranges
@@ -69,24 +70,33 @@ def test_walk_groups_cap_is_checked(monkeypatch):
 
 
 def test_segment_choice_credits_the_pipelined_gradients(monkeypatch):
-    """choose_segment_chunks counts the gradient time that whole-run walks hide (_pipelined_gradients). The choices
-    below are the measured best ones on the H200 (NOTES.md, sessions 12, 16 and 18)."""
-    for var in ("KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_PIPELINE", "KDA_KCP_BWD_WALK_GROUPS"):
+    """choose_segment_chunks counts the gradient time that whole-run walks hide (_pipelined_gradients) and the two
+    walk chains as running at once. The choices below are the measured best ones on the H200 (NOTES.md, sessions
+    12, 16, 18 and 29)."""
+    for var in ("KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_PIPELINE", "KDA_KCP_BWD_WALK_GROUPS", "KDA_KCP_BWD_WALK_STREAMS"):
         monkeypatch.delenv(var, raising=False)
-    bench = [657, 900, 1143, 1386]  # W = 1: segments at H = 4, whole runs at H = 16 and 64 (unchanged)
-    assert [cb.choose_segment_chunks(bench, H, 132) for H in (4, 16, 64)] == [45, 1386, 1386]
+    # W = 1: whole runs at every H (session 29, H = 4: 8.44 ms against 9.14 / 9.05 ms for 45 / 90-chunk segments)
+    bench = [657, 900, 1143, 1386]
+    assert [cb.choose_segment_chunks(bench, H, 132) for H in (4, 16, 64)] == [1386, 1386, 1386]
     # W = 2, H = 16, the rank whose runs were segmented: contiguous rank 1, zigzag rank 1 (whole runs were 1.7 and
     # 2.1 ms faster than the 66- and 77-chunk segments chosen without the credit)
     assert cb.choose_segment_chunks([658, 1386], 16, 132) == 1386
     assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 1143
     assert cb._pipelined_gradients([10, 10, 9], 16, 132) == 0.0  # one group: nothing runs beside the walks
     hidden = cb._pipelined_gradients([658, 1386], 16, 132)
-    assert hidden == min(2 * (1386 - 658), cb.GRAD_STEP_COST * 16 * 658 / 132)
+    assert hidden == min(1386 - 658, cb.GRAD_STEP_COST * 16 * 658 / 132)
     # an empty run has no walk, hence no group: it neither adds time nor widens the first group's window
     assert cb._pipelined_gradients([0, 300, 658, 1386, 0], 16, 132) == cb._pipelined_gradients([300, 658, 1386], 16, 132)
-    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")  # no pipeline, nothing hidden: the estimate as before
+    # no pipeline, nothing hidden: with the chains at once still whole runs (session 18 measured them 1.7 and 2.1 ms
+    # faster than the 66- and 77-chunk segments the estimate chose when it counted the chains one after the other)
+    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
+    assert cb.choose_segment_chunks([658, 1386], 16, 132) == 1386
+    assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 1143
+    # the chains one after the other on one stream: the serial estimate, no gradients hidden
+    monkeypatch.setenv("KDA_KCP_BWD_WALK_STREAMS", "0")
     assert cb.choose_segment_chunks([658, 1386], 16, 132) == 66
     assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 77
+    assert cb.choose_segment_chunks(bench, 4, 132) == 45
 
 
 def test_kcp_summary_segments_compose_in_reverse(monkeypatch):

@@ -196,16 +196,16 @@ def test_call_need_is_cached_per_knob(monkeypatch):
 
 def test_call_need_follows_the_pipeline_flag(monkeypatch):
     """The backward's segment choice credits the pipelined gradients only with KDA_KCP_BWD_PIPELINE=1, so the flag
-    changes the tables (here, runs of 658 and 1,386 chunks at H = 16: whole runs or 66-chunk segments) and is part of
-    the cached need's key."""
+    changes the tables (here, runs of 536, 1,143 and 365 chunks at H = 4: whole runs or 55-chunk segments) and is part
+    of the cached need's key."""
     backend = _fake_cuda(monkeypatch)
     monkeypatch.delenv("KDA_KCP_BWD_SEG_CHUNKS")
-    ctx = kda_kcp.build_context_kcp(offsets([658 * 64, 1386 * 64]))
+    ctx = kda_kcp.build_context_kcp(offsets([536 * 64, 1143 * 64, 365 * 64]))
     needs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", flag)
-        fresh = kda_kcp.workspace.workspace_bytes(ctx, 16, backend, "cpu")
-        needs[flag] = function._workspace_need(ctx, 16, backend, "cpu", 128, 128, torch.float32, None)
+        fresh = kda_kcp.workspace.workspace_bytes(ctx, 4, backend, "cpu")
+        needs[flag] = function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
         assert needs[flag] == fresh
     assert needs["1"] != needs["0"]
 

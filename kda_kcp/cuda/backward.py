@@ -148,9 +148,14 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
     and counting such a CTA as one slot chose 66-chunk segments at H = 16, measured 38.4 ms against 32.3 ms
     for whole runs (NOTES.md, session 15). Whole runs are credited with the gradient time their pipelined walk groups
     hide (``_pipelined_gradients``; with ``KDA_KCP_BWD_PIPELINE=1``, the default; the lean path's passes do not
-    pipeline, and use the same choice). ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0`` keeps whole runs."""
+    pipeline, and use the same choice). The forward and reverse chains run at once on two streams (the default,
+    ``_walk_streams``): their tiles share the SMs and the longest segment's steps count once. Counted one after the
+    other (as before session 29), the estimate chose 45-chunk segments for the benchmark batch at H = 4, measured
+    9.14 ms against 8.44 ms for whole runs (NOTES.md, session 29). ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0``
+    keeps whole runs."""
     longest = max(run_chunks, default=1)
-    hidden = _pipelined_gradients(run_chunks, heads, sms) if _pipeline() else 0.0
+    streams = _walk_streams()
+    hidden = _pipelined_gradients(run_chunks, heads, sms) if _pipeline() and streams else 0.0
 
     def cost(L: int) -> float:
         walk, summ, steps = [], [], 0
@@ -159,7 +164,11 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
             walk += parts
             summ += parts[:-1]
             steps = max(steps, len(parts) - 1)
-        t = 2 * (_pass_time(walk, 2 * heads, sms) + _pass_time(summ, 4 * heads, sms)) + 2 * FOLD_STEP_COST * steps
+        if streams:
+            t = _pass_time(walk, 4 * heads, sms) + _pass_time(summ, 8 * heads, sms)
+        else:
+            t = 2 * (_pass_time(walk, 2 * heads, sms) + _pass_time(summ, 4 * heads, sms))
+        t += 2 * FOLD_STEP_COST * steps
         return t - hidden if L >= longest else t
 
     return _best_length(run_chunks, "KDA_KCP_BWD_SEG_CHUNKS", cost)
@@ -187,7 +196,7 @@ def _best_length(run_chunks: list[int], forced_var: str, cost) -> int:
 def _pipelined_gradients(run_chunks: list[int], heads: int, sms: int) -> float:
     """Gradient time that whole-run walks hide (``_pipelined_walks_and_grads``), in ``choose_segment_chunks``' unit:
     each walk group but the longest starts its gradients when its own walks end, beside the longer walks, i.e. for
-    up to 2 (longest - its longest run) units; all of them within the first group's window. Segmented walks end
+    up to (longest - its longest run) units (its two walks run at once); all of them within the first group's window. Segmented walks end
     together and hide almost none. Without it the estimate chose 66- and 77-chunk segments for one rank's runs
     at W = 2, H = 16 (contiguous [658, 1386], zigzag [536, 1143, 365] chunks), measured 1.7 and 2.1 ms slower
     than whole runs (NOTES.md, session 18)."""
@@ -198,9 +207,9 @@ def _pipelined_gradients(run_chunks: list[int], heads: int, sms: int) -> float:
     longest = max(run_chunks)
     hidden = 0.0
     for ids in groups[:-1]:
-        window = 2 * (longest - max(lengths[r] for r in ids))
+        window = longest - max(lengths[r] for r in ids)
         hidden += min(window, GRAD_STEP_COST * heads * sum(lengths[r] for r in ids) / sms)
-    return min(hidden, 2 * (longest - max(lengths[r] for r in groups[0])))
+    return min(hidden, longest - max(lengths[r] for r in groups[0]))
 
 
 # SMs a (row, head) of a launch takes at 4 warps per CTA (``walk_warps``' demand): a reverse walk is 2 CTAs of
