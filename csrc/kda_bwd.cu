@@ -698,6 +698,12 @@ constexpr int B_QRH = 49152;
 constexpr int B_QRL = 65536;
 constexpr int B_Z = 81920;    // fp32 [CG][4 NT128][32 lanes]: row block 0's last column block (pairwise columns)
 constexpr int B_DG = 0;       // fp32 [64][128] dG staging (B5)
+// phase A by product (16 warps on wgmma): dQg, dKg (fp32 [64][128], f32_at<true>) and dAU (fp32 [64][64]) on their way
+// to the warp tiling, over phase-A tiles dead by then and clear of dW / s dAqk (0 .. 48 KiB) and the dgamma partials
+constexpr int R_Q = 49152;
+constexpr int R_K = 98304;
+constexpr int R_U = 131072;
+static_assert(R_Q + C * D * 4 <= A_AH && R_K + C * D * 4 <= R_U && R_U + C * C * 4 <= A_DGP, "by-product hand-over");
 constexpr int S_BETA = 212992;          // fp32 [64]
 constexpr int S_DGAM = S_BETA + 256;    // fp32 [128]
 constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
@@ -881,13 +887,74 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
   float dQg[1][NT128][4], dW[1][NT128][4], dKg[1][NT128][4], dAqk[1][NT64][4], dAU[1][NT64][4];
+  float* dgp = reinterpret_cast<float*>(smem + A_DGP);  // [NT][8] dgamma partials, keys 8 ((tid / 16) % 16) + i
+  // 16 warps on wgmma: phase A by product (kByProduct, below); dQg, dKg and dAU reach the tiling above after it
+  constexpr bool kByProduct = kGradsWgmma && NW == 16;
+  float P[1][16][4], Q[1][8][4];  // by product: the warpgroup's accumulators
+  auto& P0 = *reinterpret_cast<float(*)[1][8][4]>(&P[0][0][0]);  // warpgroup 3: dAqk | dAU
+  auto& P1 = *reinterpret_cast<float(*)[1][8][4]>(&P[0][8][0]);
+  if constexpr (kByProduct) {
+    // Phase A with one warpgroup per product, each over all 64 (128) columns: an operand read once per product,
+    // not once per group of 32 (16) columns (wgmma at n32 read the whole A operand four times: NOTES.md session 29).
+    // Group 0: dQg (P) and dVb (Q, per half); 1: dW; 2: dKg; 3: dAqk (P0) and dAU (P1). The same products in the
+    // same order per element as below, so the same bits.
+    zero(P);
+    const int wg = warp >> 2;
+    for (int vh = 0; vh < 2; ++vh) {
+      const int voff = 64 * vh;
+      stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
+      cp_async_wait_all();
+      fence_async_smem();
+      __syncthreads();
+      const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
+      const bf16 *dOz = B16(A_DO) + 4096 * vh, *vz = B16(A_V) + 4096 * vh;
+      zero(Q);
+      fence_acc(P), fence_acc(Q);
+      wgmma_fence();
+      if (wg == 0) {
+        wg_gemm<16, 4, false, false, true, kSS>(P, dOz, nullptr, B16(A_SH), nullptr);
+        wg_gemm<8, 4, true, kSA, false, kSVB>(Q, B16(A_AH), B16(A_AL), dvh, dvl);
+      } else if (wg == 1) {
+        wg_gemm<16, 4, true, kSV, true, kSS>(P, dvh, dvl, B16(A_SH), nullptr);
+      } else if (wg == 2) {
+        wg_gemm<16, 4, true, kSV, true, kSM>(P, vnh, vnl, B16(A_DH), B16(A_DL));
+      } else {
+        wg_gemm<8, 4, false, false, true, kSV>(P0, dOz, nullptr, vnh, vnl);
+        wg_gemm<8, 4, true, kSVB, false, false>(P1, dvh, dvl, vz, nullptr);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc(P), fence_acc(Q);
+      if (wg == 0) {  // dv = beta dVb; dbeta partials per 16 columns, summed as the tiling below sums them
+        bf16* dv = static_cast<bf16*>(a.dv);
+        const int g4 = lane >> 2, l4 = lane & 3;
+#pragma unroll
+        for (int cgp = 0; cgp < CG; ++cgp) {
+          float rs[2] = {0.f, 0.f};
+#pragma unroll
+          for (int ni = (8 / CG) * cgp; ni < (8 / CG) * (cgp + 1); ++ni)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+              const int r = m0 + g4 + 8 * e2, cc = 8 * ni + 2 * l4;
+              const float x0 = Q[0][ni][2 * e2], x1 = Q[0][ni][2 * e2 + 1];
+              const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
+              rs[e2] += x0 * vv.x + x1 * vv.y;
+              if (r < nrows) {
+                const float b = sBeta[r];
+                *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
+              }
+            }
+          store_row_sums(sDb, (vh * CG + cgp) * C + m0, rs, lane);
+        }
+      }
+      __syncthreads();
+    }
+  } else {
   zero(dQg);
   zero(dW);
   zero(dKg);
   zero(dAqk);
   zero(dAU);
-  float* dgp = reinterpret_cast<float*>(smem + A_DGP);  // [NT][8] dgamma partials, keys 8 ((tid / 16) % 16) + i
-
   for (int vh = 0; vh < 2; ++vh) {
     const int voff = 64 * vh;
     // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
@@ -938,6 +1005,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     }
     __syncthreads();
   }
+  }
   if (tid < D) {  // dgamma of key tid: the partials of the 16 threads x NT / 256 replicas of its key block, in order
     const float* q = dgp + 8 * (16 * (tid >> 3)) + (tid & 7);
     float sum = 0.f;
@@ -945,6 +1013,47 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) sum += q[8 * (256 * r + j)];
     sDgam[tid] = sum;
+  }
+  if constexpr (kByProduct) {
+    // dW and s dAqk to their phase-B tiles (as B1 below stages them); dQg, dKg, dAU through fp32 tiles over the dead
+    // phase-A tiles into the warp tiling of the rest of the kernel
+    float* rq = reinterpret_cast<float*>(smem + R_Q);
+    float* rk = reinterpret_cast<float*>(smem + R_K);
+    float* ru = reinterpret_cast<float*>(smem + R_U);
+    auto at64 = [](int r, int c) { return r * 64 + (c ^ ((r & 3) << 3)); };  // fp32 [64][64], f32_at<true>'s swizzle
+    const int wg = warp >> 2;
+    if (wg == 0) {
+      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
+        *reinterpret_cast<float2*>(rq + f32_at<true>(r, cc)) = make_float2(x0, x1);
+      });
+    } else if (wg == 1) {
+      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
+    } else if (wg == 2) {
+      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
+        *reinterpret_cast<float2*>(rk + f32_at<true>(r, cc)) = make_float2(x0, x1);
+      });
+    } else {
+      epi(P0, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
+        st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
+      });
+      epi(P1, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
+        *reinterpret_cast<float2*>(ru + at64(r, cc)) = make_float2(x0, x1);
+      });
+    }
+    __syncthreads();
+    epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+      const float2 t = ld2_f32<true>(rq, r, cc);
+      x0 = t.x, x1 = t.y;
+    });
+    epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+      const float2 t = ld2_f32<true>(rk, r, cc);
+      x0 = t.x, x1 = t.y;
+    });
+    epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+      const float2 t = *reinterpret_cast<const float2*>(ru + at64(r, cc));
+      x0 = t.x, x1 = t.y;
+    });
+    __syncthreads();  // R_U lies under G's tile
   }
 
   // ---- phase B1: G, q, k; consume dQg, dKg; stage dW, s dAqk, K o exp(G) ----
@@ -1011,10 +1120,12 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         if (g4 == 0) sCs[(warp & 3) * D + n128 + 8 * ni + 2 * l4 + b] = s;
       }
   }
-  epi(dW, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
-  epi(dAqk, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-    st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
-  });
+  if constexpr (!kByProduct) {
+    epi(dW, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
+    epi(dAqk, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+      st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
+    });
+  }
   for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
     const float2 kk = ld2<128>(B16(B_K), r, d), gg = ld2_f32<true>(sG, r, d);

@@ -358,10 +358,11 @@ __device__ __forceinline__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32
 }
 // D (this warp's 16 rows x 8 N8 columns) += A (64 x 16 via da) B (16 x 8 N8 via db), both from shared memory: warp w
 // of the group gets rows 16 w .. 16 w + 15 of A's 64. TA / TB: A / B MN-major (A stored [k][m], B [k][n]), else
-// K-major (A [m][k], B [n][k]); the tiles in the 128-byte swizzle of sw128_desc. N8 = 2, 4 or 8 (n16, n32, n64).
+// K-major (A [m][k], B [n][k]); the tiles in the 128-byte swizzle of sw128_desc. N8 = 2, 4, 8 or 16 (n16 .. n128;
+// an MN-major B of 128 columns is two 64-column halves LBO bytes apart).
 template <int N8, bool TA, bool TB>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N8][4], uint64_t da, uint64_t db) {
-  static_assert(N8 == 2 || N8 == 4 || N8 == 8, "n16, n32 or n64");
+  static_assert(N8 == 2 || N8 == 4 || N8 == 8 || N8 == 16, "n16, n32, n64 or n128");
   if constexpr (N8 == 2)
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
@@ -376,13 +377,23 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N8][4], uint64_t da, uint64_
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
         : KDA_WGMMA_TILE(d, 0), KDA_WGMMA_TILE(d, 1), KDA_WGMMA_TILE(d, 2), KDA_WGMMA_TILE(d, 3)
         : "l"(da), "l"(db), "n"(1), "n"(int(TA)), "n"(int(TB)));
-  else
+  else if constexpr (N8 == 8)
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
         : KDA_WGMMA_ACC32(d)
+        : "l"(da), "l"(db), "n"(1), "n"(int(TA)), "n"(int(TB)));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : KDA_WGMMA_ACC64(d)
         : "l"(da), "l"(db), "n"(1), "n"(int(TA)), "n"(int(TB)));
 }
 #undef KDA_WGMMA_N128_MN
