@@ -17,7 +17,9 @@
 //   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads)
 //                                          from the record, h, dh and the walks' V_new / dV_new,
 //                                          every product on tensor cores, bf16 hi + lo operands
-//                                          (three products) wherever an operand is not exact in bf16.
+//                                          (three products) wherever an operand is not exact in bf16;
+//                                          on sm_90a the state products (phase A, one warpgroup per
+//                                          product at 16 warps) and B2 / B3's by wgmma.
 //
 // No atomics anywhere; every reduction has a fixed order, so the result is bitwise repeatable, and the
 // same kernels serve both packages (det and nondet).
@@ -808,13 +810,14 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
   for (int i = 0; i < 8; ++i) mine[i] = z == 0 ? dg[i] : mine[i] + dg[i];
 }
 
-// The products of phase A, B2 and B3 by wgmma on sm_90a (both operands from shared memory): warpgroup cg computes
-// the 64 rows x (128 / CG or 64 / CG) columns that its four warps hold in the mma.sync tiling (warp w of the group
-// = row block 16 w), so the accumulators, and every epilogue, are the same. A fragment is then read from shared
-// memory once per warpgroup instead of once per warp, with no ldmatrix or operand registers (the state products
-// waited on shared memory: NOTES.md session 23). Products whose K range skips a row block's zero blocks (A lower
-// triangular) take the whole K range here: the added products are exact zeros. mma.sync elsewhere (sm_100a /
-// sm_103a); the same products in the same order, so the same bits.
+// The products of phase A, B2 and B3 by wgmma on sm_90a (both operands from shared memory). B2, B3 (and phase A at
+// 8 warps): warpgroup cg computes the 64 rows x (128 / CG or 64 / CG) columns that its four warps hold in the
+// mma.sync tiling (warp w of the group = row block 16 w), so the accumulators and the epilogues are the same. Phase A
+// at 16 warps goes by product instead (kByProduct in the kernel): at n32 per group each of the four groups read the
+// whole A operand, and the phase stayed bound by its operand bytes (NOTES.md session 29). No ldmatrix or operand
+// registers either way. Products whose K range skips a row block's zero blocks (A lower triangular) take the whole
+// K range here: the added products are exact zeros. mma.sync elsewhere (sm_100a / sm_103a); the same products in
+// the same order per element, so the same bits.
 constexpr bool kGradsWgmma = KDA_HAS_WGMMA;
 // descriptor offset (16-byte units) of k16 step ks: MN-major tiles step by 16 rows; K-major ones by 32 bytes inside
 // a 64-column sw64 row, then to the next swh half
@@ -950,61 +953,61 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       __syncthreads();
     }
   } else {
-  zero(dQg);
-  zero(dW);
-  zero(dKg);
-  zero(dAqk);
-  zero(dAU);
-  for (int vh = 0; vh < 2; ++vh) {
-    const int voff = 64 * vh;
-    // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
-    stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
-    cp_async_wait_all();
-    if constexpr (kGradsWgmma) fence_async_smem();  // the tiles' cp.async and stage_states writes, then wgmma's reads
-    __syncthreads();
-    const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
-    // products reduced over the value columns of this half (V_new, dV_new stored transposed); dVb (half) = A^T dV_new
-    float acc[1][NT64][4];
-    zero(acc);
-    if constexpr (kGradsWgmma) {
-      const bf16 *dOz = B16(A_DO) + 4096 * vh, *vz = B16(A_V) + 4096 * vh;  // this value half: K-major A / B tiles
-      const int g = thread_index() >> 7, n128 = (128 / CG) * g, n64 = (64 / CG) * g;  // formed here, not held
-      fence_acc(dQg), fence_acc(dW), fence_acc(dKg), fence_acc(dAqk), fence_acc(dAU), fence_acc(acc);
-      wgmma_fence();
-      wg_gemm<NT128, 4, false, false, true, kSS>(dQg, dOz, nullptr, swh_col(B16(A_SH), n128), nullptr);
-      wg_gemm<NT128, 4, true, kSV, true, kSS>(dW, dvh, dvl, swh_col(B16(A_SH), n128), nullptr);
-      wg_gemm<NT128, 4, true, kSV, true, kSM>(dKg, vnh, vnl, swh_col(B16(A_DH), n128), swh_col(B16(A_DL), n128));
-      wg_gemm<NT64, 4, false, false, true, kSV>(dAqk, dOz, nullptr, vnh + n64, vnl + n64);
-      wg_gemm<NT64, 4, true, kSVB, false, false>(dAU, dvh, dvl, vz + 64 * n64, nullptr);
-      wg_gemm<NT64, 4, true, kSA, false, kSVB>(acc, B16(A_AH), B16(A_AL), dvh + 64 * n64, dvl + 64 * n64);
-      wgmma_commit();
-      wgmma_wait0();
-      fence_acc(dQg), fence_acc(dW), fence_acc(dKg), fence_acc(dAqk), fence_acc(dAU), fence_acc(acc);
-    } else {
-      constexpr int S = kRowsSwh;
-      wgemm<1, NT128, S, false, false, S, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), nullptr, n128, 0, 64, lane);
-      wgemm<1, NT128, 64, true, kSV, S, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), nullptr, n128, 0, 64, lane);
-      wgemm<1, NT128, 64, true, kSV, S, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
-      wgemm<1, NT64, S, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
-      wgemm<1, NT64, 64, true, kSVB, S, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
-      wgemm<1, NT64, 64, true, kSA, 64, false, kSVB>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
+    zero(dQg);
+    zero(dW);
+    zero(dKg);
+    zero(dAqk);
+    zero(dAU);
+    for (int vh = 0; vh < 2; ++vh) {
+      const int voff = 64 * vh;
+      // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
+      stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
+      cp_async_wait_all();
+      if constexpr (kGradsWgmma) fence_async_smem();  // the tiles' cp.async and stage_states writes, then wgmma's reads
+      __syncthreads();
+      const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
+      // products reduced over the value columns of this half (V_new, dV_new stored transposed); dVb (half) = A^T dV_new
+      float acc[1][NT64][4];
+      zero(acc);
+      if constexpr (kGradsWgmma) {
+        const bf16 *dOz = B16(A_DO) + 4096 * vh, *vz = B16(A_V) + 4096 * vh;  // this value half: K-major A / B tiles
+        const int g = thread_index() >> 7, n128 = (128 / CG) * g, n64 = (64 / CG) * g;  // formed here, not held
+        fence_acc(dQg), fence_acc(dW), fence_acc(dKg), fence_acc(dAqk), fence_acc(dAU), fence_acc(acc);
+        wgmma_fence();
+        wg_gemm<NT128, 4, false, false, true, kSS>(dQg, dOz, nullptr, swh_col(B16(A_SH), n128), nullptr);
+        wg_gemm<NT128, 4, true, kSV, true, kSS>(dW, dvh, dvl, swh_col(B16(A_SH), n128), nullptr);
+        wg_gemm<NT128, 4, true, kSV, true, kSM>(dKg, vnh, vnl, swh_col(B16(A_DH), n128), swh_col(B16(A_DL), n128));
+        wg_gemm<NT64, 4, false, false, true, kSV>(dAqk, dOz, nullptr, vnh + n64, vnl + n64);
+        wg_gemm<NT64, 4, true, kSVB, false, false>(dAU, dvh, dvl, vz + 64 * n64, nullptr);
+        wg_gemm<NT64, 4, true, kSA, false, kSVB>(acc, B16(A_AH), B16(A_AL), dvh + 64 * n64, dvl + 64 * n64);
+        wgmma_commit();
+        wgmma_wait0();
+        fence_acc(dQg), fence_acc(dW), fence_acc(dKg), fence_acc(dAqk), fence_acc(dAU), fence_acc(acc);
+      } else {
+        constexpr int S = kRowsSwh;
+        wgemm<1, NT128, S, false, false, S, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), nullptr, n128, 0, 64, lane);
+        wgemm<1, NT128, 64, true, kSV, S, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), nullptr, n128, 0, 64, lane);
+        wgemm<1, NT128, 64, true, kSV, S, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
+        wgemm<1, NT64, S, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
+        wgemm<1, NT64, 64, true, kSVB, S, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
+        wgemm<1, NT64, 64, true, kSA, 64, false, kSVB>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
+      }
+      {
+        // dv = beta dVb; dbeta partial sum(dVb o v)
+        float rs[2] = {0.f, 0.f};
+        bf16* dv = static_cast<bf16*>(a.dv);
+        epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+          const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
+          rs[(r - m0) >> 3] += x0 * vv.x + x1 * vv.y;
+          if (r < nrows) {
+            const float b = sBeta[r];
+            *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
+          }
+        });
+        store_row_sums(sDb, (vh * CG + cg) * C + m0, rs, lane);
+      }
+      __syncthreads();
     }
-    {
-      // dv = beta dVb; dbeta partial sum(dVb o v)
-      float rs[2] = {0.f, 0.f};
-      bf16* dv = static_cast<bf16*>(a.dv);
-      epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-        const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
-        rs[(r - m0) >> 3] += x0 * vv.x + x1 * vv.y;
-        if (r < nrows) {
-          const float b = sBeta[r];
-          *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
-        }
-      });
-      store_row_sums(sDb, (vh * CG + cg) * C + m0, rs, lane);
-    }
-    __syncthreads();
-  }
   }
   if (tid < D) {  // dgamma of key tid: the partials of the 16 threads x NT / 256 replicas of its key block, in order
     const float* q = dgp + 8 * (16 * (tid >> 3)) + (tid & 7);
