@@ -17,7 +17,9 @@
 //   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads)
 //                                          from the record, h, dh and the walks' V_new / dV_new,
 //                                          every product on tensor cores, bf16 hi + lo operands
-//                                          (three products) wherever an operand is not exact in bf16.
+//                                          (three products) wherever an operand is not exact in bf16;
+//                                          on sm_90a the state products (phase A, one warpgroup per
+//                                          product at 16 warps) and B2 / B3's by wgmma.
 //
 // No atomics anywhere; every reduction has a fixed order, so the result is bitwise repeatable, and the
 // same kernels serve both packages (det and nondet).
@@ -661,9 +663,9 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
 // computes; requested there (session 13), the request code cost ptxas ~80 bytes of spill and the time it saved.
 // phase A (state products, two halves of the value columns); V_new / dV_new of each half come from the
 // walks (bf16 hi / lo, transposed: [value column][token], sw64)
-constexpr int A_DO = 0;       // dO, bf16 sw128 [64][128]
-constexpr int A_V = 49152;    // v
-constexpr int A_SH = 65536;   // S^T hi, dS^T hi / lo of the value half: bf16 sw128 [64][128] (h holds no lo of S)
+constexpr int A_DO = 0;       // dO, bf16 swh [64][128] (the two value halves are wgmma's K-major A tiles)
+constexpr int A_V = 49152;    // v, swh
+constexpr int A_SH = 65536;   // S^T hi, dS^T hi / lo of the value half: bf16 swh [64][128] (h holds no lo of S)
 constexpr int A_AH = 81920;   // A hi / lo, sw64, kept through phase B3
 constexpr int A_AL = 90112;
 constexpr int A_DH = 98304;
@@ -676,11 +678,11 @@ constexpr int kVNH = 0, kVNL = 1, kDVH = 2, kDVL = 3;
 constexpr int B_G = 131072;   // fp32 [64][128] (f32_at<true>), to the end
 constexpr int B_Q = 163840;   // bf16 sw128, to the pairwise columns
 constexpr int B_K = 180224;   // to the end
-constexpr int B_DWH = 0;      // dW, sw128 (B1-B2)
+constexpr int B_DWH = 0;      // dW, swh (B1-B2)
 constexpr int B_DWL = 16384;
 constexpr int B_SDAH = 32768; // s dAqk, sw64 (B1 to the pairwise columns)
 constexpr int B_SDAL = 40960;
-constexpr int B_XH = 49152;   // K o exp(G), sw128 (B1-B2)
+constexpr int B_XH = 49152;   // K o exp(G), swh (B1-B2)
 constexpr int B_XL = 65536;
 constexpr int B_DAH = 98304;  // dA, sw64 (B2-B3)
 constexpr int B_DAL = 106496;
@@ -698,6 +700,12 @@ constexpr int B_QRH = 49152;
 constexpr int B_QRL = 65536;
 constexpr int B_Z = 81920;    // fp32 [CG][4 NT128][32 lanes]: row block 0's last column block (pairwise columns)
 constexpr int B_DG = 0;       // fp32 [64][128] dG staging (B5)
+// phase A by product (16 warps on wgmma): dQg, dKg (fp32 [64][128], f32_at<true>) and dAU (fp32 [64][64]) on their way
+// to the warp tiling, over phase-A tiles dead by then and clear of dW / s dAqk (0 .. 48 KiB) and the dgamma partials
+constexpr int R_Q = 49152;
+constexpr int R_K = 98304;
+constexpr int R_U = 131072;
+static_assert(R_Q + C * D * 4 <= A_AH && R_K + C * D * 4 <= R_U && R_U + C * C * 4 <= A_DGP, "by-product hand-over");
 constexpr int S_BETA = 212992;          // fp32 [64]
 constexpr int S_DGAM = S_BETA + 256;    // fp32 [128]
 constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
@@ -767,7 +775,7 @@ __device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int
   }
 }
 
-// Value half z of S (hi, from h) and dS (hi + lo, from dh) (kda_bwd.h) into the swizzled S^T, dS^T tiles [value
+// Value half z of S (hi, from h) and dS (hi + lo, from dh) (kda_bwd.h) into the swh tiles S^T, dS^T [value
 // column 64][key 128], through registers: a 16-byte piece holds 8 adjacent keys of one value column, copied as
 // is (no conversion), and its S o dS products go into the thread's dgamma partials of those keys. Every piece a
 // thread moves has key block nt = (tid / 16) % 16: its 8 partials (summed over both halves) stay in shared
@@ -785,7 +793,7 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
     const uint4 sh = *reinterpret_cast<const uint4*>(S + kHiHalfBytes * z + row * 128 + 16 * g4);
     const int off = kSplitHalfBytes * z + row * 256 + 16 * g4;
     const uint4 th = *reinterpret_cast<const uint4*>(dS + off), tl = *reinterpret_cast<const uint4*>(dS + off + 128);
-    const int so = 2 * sw128(16 * w + g4 + 8 * eh, 8 * nt);  // bytes
+    const int so = 2 * swh(16 * w + g4 + 8 * eh, 8 * nt);  // bytes
     *reinterpret_cast<uint4*>(smem + A_SH + so) = sh;
     *reinterpret_cast<uint4*>(smem + A_DH + so) = th;
     *reinterpret_cast<uint4*>(smem + A_DL + so) = tl;
@@ -802,11 +810,54 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
   for (int i = 0; i < 8; ++i) mine[i] = z == 0 ? dg[i] : mine[i] + dg[i];
 }
 
+// The products of phase A, B2 and B3 by wgmma on sm_90a (both operands from shared memory). B2, B3 (and phase A at
+// 8 warps): warpgroup cg computes the 64 rows x (128 / CG or 64 / CG) columns that its four warps hold in the
+// mma.sync tiling (warp w of the group = row block 16 w), so the accumulators and the epilogues are the same. Phase A
+// at 16 warps goes by product instead (kByProduct in the kernel): at n32 per group each of the four groups read the
+// whole A operand, and the phase stayed bound by its operand bytes (NOTES.md session 29). No ldmatrix or operand
+// registers either way. Products whose K range skips a row block's zero blocks (A lower triangular) take the whole
+// K range here: the added products are exact zeros. mma.sync elsewhere (sm_100a / sm_103a); the same products in
+// the same order per element, so the same bits.
+constexpr bool kGradsWgmma = KDA_HAS_WGMMA;
+// descriptor offset (16-byte units) of k16 step ks: MN-major tiles step by 16 rows; K-major ones by 32 bytes inside
+// a 64-column sw64 row, then to the next swh half
+template <bool MN>
+__device__ __forceinline__ uint32_t k16_step(int ks) {
+  return MN ? ks * (2048 >> 4) : (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;
+}
+// acc (this warp's 16 rows x 8 N8 columns of its group's 64-row block) += A B over KS k16 steps, hi + lo where SA /
+// SB (hi*hi, lo*hi, hi*lo per step: wgemm's order); TA / TB: A stored [k][m] / B stored [k][n] (MN-major). The B
+// pointers are at the group's first column (a column offset inside an MN-major row, or a row offset K-major).
+template <int N8, int KS, bool TA, bool SA, bool TB, bool SB>
+__device__ __forceinline__ void wg_gemm(float (&acc)[1][N8][4], const bf16* Ah, const bf16* Al, const bf16* Bh,
+                                        const bf16* Bl) {
+  const uint64_t ah = sw128_desc(Ah, TA ? 8192 : 16), bh = sw128_desc(Bh, TB ? 8192 : 16);
+  const uint64_t al = SA ? sw128_desc(Al, TA ? 8192 : 16) : 0, bl = SB ? sw128_desc(Bl, TB ? 8192 : 16) : 0;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    const uint32_t ka = k16_step<TA>(ks), kb = k16_step<TB>(ks);
+    wgmma_ss<N8, TA, TB>(acc[0], ah + ka, bh + kb);
+    if constexpr (SA) wgmma_ss<N8, TA, TB>(acc[0], al + ka, bh + kb);
+    if constexpr (SB) wgmma_ss<N8, TA, TB>(acc[0], ah + ka, bl + kb);
+  }
+}
+// Column n0 of a [k][128] swh tile (an MN-major B at column n0: its half, then 2 (n0 % 64) bytes into the rows)
+__device__ __forceinline__ const bf16* swh_col(const bf16* t, int n0) { return t + ((n0 >> 6) << 12) + (n0 & 63); }
+// wgmma's accumulators are written asynchronously: the compiler must not touch them between the issue and the wait
+template <int N8>
+__device__ __forceinline__ void fence_acc(float (&acc)[1][N8][4]) { fence_frags(acc[0]); }
+// The C rows of a bf16 [.][128] matrix -> swh tile
+template <int NT>
+__device__ __forceinline__ void load_bf16_swh(bf16* dst, const bf16* src, int64_t gstride, int nvalid, int tid) {
+  load_rows<NT, C, D / 8>(dst, 64, src, gstride, nvalid, tid, [](int r, int c) { return swh(r, c); });
+}
+
 template <int NW>
 __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   using T = GradsTiling<NW>;
   constexpr int NT = T::NTH, NT128 = T::NT128, NT64 = T::NT64, CG = T::CG;
   extern __shared__ __align__(128) char smem[];
+  if (kGradsWgmma && (smem_u32(smem) & 1023) != 0) __trap();  // wgmma's swizzle is on address bits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x, h = blockIdx.y, H = a.H;
   const int64_t tok = a.chunks[2 * c];
@@ -830,8 +881,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   const int n64 = (64 / CG) * cg;     // 64x64 outputs: 16 rows x 64 / CG cols per warp
 
   // ---- phase A loads ----
-  load_bf16<128, NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, nrows, tid);
-  load_bf16<128, NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
+  load_bf16_swh<NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, nrows, tid);
+  load_bf16_swh<NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
   load_walk_tiles<NT>(smem, rec, tid);
   load_lower_bf16<NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), tid);
   if (kSA) load_lower_bf16<NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), tid);
@@ -839,44 +890,124 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
   float dQg[1][NT128][4], dW[1][NT128][4], dKg[1][NT128][4], dAqk[1][NT64][4], dAU[1][NT64][4];
-  zero(dQg);
-  zero(dW);
-  zero(dKg);
-  zero(dAqk);
-  zero(dAU);
   float* dgp = reinterpret_cast<float*>(smem + A_DGP);  // [NT][8] dgamma partials, keys 8 ((tid / 16) % 16) + i
-
-  for (int vh = 0; vh < 2; ++vh) {
-    const int voff = 64 * vh;
-    // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
-    stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
-    cp_async_wait_all();
-    __syncthreads();
-    const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
-    // products reduced over the value columns of this half (V_new, dV_new stored transposed)
-    wgemm<1, NT128, 128, false, false, 128, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), nullptr, n128, 0, 64, lane);
-    wgemm<1, NT128, 64, true, kSV, 128, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), nullptr, n128, 0, 64, lane);
-    wgemm<1, NT128, 64, true, kSV, 128, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
-    wgemm<1, NT64, 128, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
-    wgemm<1, NT64, 64, true, kSVB, 128, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
-    {
-      // dVb (half) = A^T dV_new -> dv = beta dVb; dbeta partial sum(dVb o v)
+  // 16 warps on wgmma: phase A by product (kByProduct, below); dQg, dKg and dAU reach the tiling above after it
+  constexpr bool kByProduct = kGradsWgmma && NW == 16;
+  float P[1][16][4], Q[1][8][4];  // by product: the warpgroup's accumulators
+  auto& P0 = *reinterpret_cast<float(*)[1][8][4]>(&P[0][0][0]);  // warpgroup 3: dAqk | dAU
+  auto& P1 = *reinterpret_cast<float(*)[1][8][4]>(&P[0][8][0]);
+  if constexpr (kByProduct) {
+    // Phase A with one warpgroup per product, each over all 64 (128) columns: an operand read once per product,
+    // not once per group of 32 (16) columns (wgmma at n32 read the whole A operand four times: NOTES.md session 29).
+    // Group 0: dQg (P) and dVb (Q, per half); 1: dW; 2: dKg; 3: dAqk (P0) and dAU (P1). The same products in the
+    // same order per element as below, so the same bits.
+    zero(P);
+    const int wg = warp >> 2;
+    for (int vh = 0; vh < 2; ++vh) {
+      const int voff = 64 * vh;
+      stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
+      cp_async_wait_all();
+      fence_async_smem();
+      __syncthreads();
+      const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
+      const bf16 *dOz = B16(A_DO) + 4096 * vh, *vz = B16(A_V) + 4096 * vh;
+      zero(Q);
+      fence_acc(P), fence_acc(Q);
+      wgmma_fence();
+      if (wg == 0) {
+        wg_gemm<16, 4, false, false, true, kSS>(P, dOz, nullptr, B16(A_SH), nullptr);
+        wg_gemm<8, 4, true, kSA, false, kSVB>(Q, B16(A_AH), B16(A_AL), dvh, dvl);
+      } else if (wg == 1) {
+        wg_gemm<16, 4, true, kSV, true, kSS>(P, dvh, dvl, B16(A_SH), nullptr);
+      } else if (wg == 2) {
+        wg_gemm<16, 4, true, kSV, true, kSM>(P, vnh, vnl, B16(A_DH), B16(A_DL));
+      } else {
+        wg_gemm<8, 4, false, false, true, kSV>(P0, dOz, nullptr, vnh, vnl);
+        wg_gemm<8, 4, true, kSVB, false, false>(P1, dvh, dvl, vz, nullptr);
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc(P), fence_acc(Q);
+      if (wg == 0) {  // dv = beta dVb; dbeta partials per 16 columns, summed as the tiling below sums them
+        bf16* dv = static_cast<bf16*>(a.dv);
+        const int g4 = lane >> 2, l4 = lane & 3;
+#pragma unroll
+        for (int cgp = 0; cgp < CG; ++cgp) {
+          float rs[2] = {0.f, 0.f};
+#pragma unroll
+          for (int ni = (8 / CG) * cgp; ni < (8 / CG) * (cgp + 1); ++ni)
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+              const int r = m0 + g4 + 8 * e2, cc = 8 * ni + 2 * l4;
+              const float x0 = Q[0][ni][2 * e2], x1 = Q[0][ni][2 * e2 + 1];
+              const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
+              rs[e2] += x0 * vv.x + x1 * vv.y;
+              if (r < nrows) {
+                const float b = sBeta[r];
+                *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
+              }
+            }
+          store_row_sums(sDb, (vh * CG + cgp) * C + m0, rs, lane);
+        }
+      }
+      __syncthreads();
+    }
+  } else {
+    zero(dQg);
+    zero(dW);
+    zero(dKg);
+    zero(dAqk);
+    zero(dAU);
+    for (int vh = 0; vh < 2; ++vh) {
+      const int voff = 64 * vh;
+      // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
+      stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
+      cp_async_wait_all();
+      if constexpr (kGradsWgmma) fence_async_smem();  // the tiles' cp.async and stage_states writes, then wgmma's reads
+      __syncthreads();
+      const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
+      // products reduced over the value columns of this half (V_new, dV_new stored transposed); dVb (half) = A^T dV_new
       float acc[1][NT64][4];
       zero(acc);
-      wgemm<1, NT64, 64, true, kSA, 64, false, kSVB>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
-      float rs[2] = {0.f, 0.f};
-      bf16* dv = static_cast<bf16*>(a.dv);
-      epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-        const float2 vv = ld2<128>(B16(A_V), r, voff + cc);
-        rs[(r - m0) >> 3] += x0 * vv.x + x1 * vv.y;
-        if (r < nrows) {
-          const float b = sBeta[r];
-          *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
-        }
-      });
-      store_row_sums(sDb, (vh * CG + cg) * C + m0, rs, lane);
+      if constexpr (kGradsWgmma) {
+        const bf16 *dOz = B16(A_DO) + 4096 * vh, *vz = B16(A_V) + 4096 * vh;  // this value half: K-major A / B tiles
+        const int g = thread_index() >> 7, n128 = (128 / CG) * g, n64 = (64 / CG) * g;  // formed here, not held
+        fence_acc(dQg), fence_acc(dW), fence_acc(dKg), fence_acc(dAqk), fence_acc(dAU), fence_acc(acc);
+        wgmma_fence();
+        wg_gemm<NT128, 4, false, false, true, kSS>(dQg, dOz, nullptr, swh_col(B16(A_SH), n128), nullptr);
+        wg_gemm<NT128, 4, true, kSV, true, kSS>(dW, dvh, dvl, swh_col(B16(A_SH), n128), nullptr);
+        wg_gemm<NT128, 4, true, kSV, true, kSM>(dKg, vnh, vnl, swh_col(B16(A_DH), n128), swh_col(B16(A_DL), n128));
+        wg_gemm<NT64, 4, false, false, true, kSV>(dAqk, dOz, nullptr, vnh + n64, vnl + n64);
+        wg_gemm<NT64, 4, true, kSVB, false, false>(dAU, dvh, dvl, vz + 64 * n64, nullptr);
+        wg_gemm<NT64, 4, true, kSA, false, kSVB>(acc, B16(A_AH), B16(A_AL), dvh + 64 * n64, dvl + 64 * n64);
+        wgmma_commit();
+        wgmma_wait0();
+        fence_acc(dQg), fence_acc(dW), fence_acc(dKg), fence_acc(dAqk), fence_acc(dAU), fence_acc(acc);
+      } else {
+        constexpr int S = kRowsSwh;
+        wgemm<1, NT128, S, false, false, S, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), nullptr, n128, 0, 64, lane);
+        wgemm<1, NT128, 64, true, kSV, S, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), nullptr, n128, 0, 64, lane);
+        wgemm<1, NT128, 64, true, kSV, S, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
+        wgemm<1, NT64, S, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
+        wgemm<1, NT64, 64, true, kSVB, S, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
+        wgemm<1, NT64, 64, true, kSA, 64, false, kSVB>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
+      }
+      {
+        // dv = beta dVb; dbeta partial sum(dVb o v)
+        float rs[2] = {0.f, 0.f};
+        bf16* dv = static_cast<bf16*>(a.dv);
+        epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+          const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
+          rs[(r - m0) >> 3] += x0 * vv.x + x1 * vv.y;
+          if (r < nrows) {
+            const float b = sBeta[r];
+            *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
+          }
+        });
+        store_row_sums(sDb, (vh * CG + cg) * C + m0, rs, lane);
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
   if (tid < D) {  // dgamma of key tid: the partials of the 16 threads x NT / 256 replicas of its key block, in order
     const float* q = dgp + 8 * (16 * (tid >> 3)) + (tid & 7);
@@ -885,6 +1016,47 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) sum += q[8 * (256 * r + j)];
     sDgam[tid] = sum;
+  }
+  if constexpr (kByProduct) {
+    // dW and s dAqk to their phase-B tiles (as B1 below stages them); dQg, dKg, dAU through fp32 tiles over the dead
+    // phase-A tiles into the warp tiling of the rest of the kernel
+    float* rq = reinterpret_cast<float*>(smem + R_Q);
+    float* rk = reinterpret_cast<float*>(smem + R_K);
+    float* ru = reinterpret_cast<float*>(smem + R_U);
+    auto at64 = [](int r, int c) { return r * 64 + (c ^ ((r & 3) << 3)); };  // fp32 [64][64], f32_at<true>'s swizzle
+    const int wg = warp >> 2;
+    if (wg == 0) {
+      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
+        *reinterpret_cast<float2*>(rq + f32_at<true>(r, cc)) = make_float2(x0, x1);
+      });
+    } else if (wg == 1) {
+      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
+    } else if (wg == 2) {
+      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
+        *reinterpret_cast<float2*>(rk + f32_at<true>(r, cc)) = make_float2(x0, x1);
+      });
+    } else {
+      epi(P0, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
+        st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
+      });
+      epi(P1, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
+        *reinterpret_cast<float2*>(ru + at64(r, cc)) = make_float2(x0, x1);
+      });
+    }
+    __syncthreads();
+    epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+      const float2 t = ld2_f32<true>(rq, r, cc);
+      x0 = t.x, x1 = t.y;
+    });
+    epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+      const float2 t = ld2_f32<true>(rk, r, cc);
+      x0 = t.x, x1 = t.y;
+    });
+    epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+      const float2 t = *reinterpret_cast<const float2*>(ru + at64(r, cc));
+      x0 = t.x, x1 = t.y;
+    });
+    __syncthreads();  // R_U lies under G's tile
   }
 
   // ---- phase B1: G, q, k; consume dQg, dKg; stage dW, s dAqk, K o exp(G) ----
@@ -951,27 +1123,42 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         if (g4 == 0) sCs[(warp & 3) * D + n128 + 8 * ni + 2 * l4 + b] = s;
       }
   }
-  epi(dW, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) { st2<128>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
-  epi(dAqk, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-    st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
-  });
+  if constexpr (!kByProduct) {
+    epi(dW, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
+    epi(dAqk, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+      st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
+    });
+  }
   for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
     const float2 kk = ld2<128>(B16(B_K), r, d), gg = ld2_f32<true>(sG, r, d);
-    st2<128>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(gg.x), kk.y * fexp(gg.y));
+    st2<kRowsSwh>(B16(B_XH), B16(B_XL), r, d, kk.x * fexp(gg.x), kk.y * fexp(gg.y));
   }
+  if constexpr (kGradsWgmma) fence_async_smem();
   __syncthreads();
 
   // ---- B2: dA = (dV_new v^T + dW Kexp^T) diag(beta); dKb = A^T dW ----
-  wgemm<1, NT64, 128, false, kSD, 128, false, kSD>(dAU, B16(B_DWH), B16(B_DWL), m0, 0, B16(B_XH), B16(B_XL), n64, 0, D, lane);
-  epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-    st2<64>(B16(B_DAH), B16(B_DAL), r, cc, x0 * sBeta[cc], x1 * sBeta[cc + 1]);
-  });
   {
     float acc[1][NT128][4];
     zero(acc);
-    wgemm<1, NT128, 64, true, kSA, 128, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DWH), B16(B_DWL), n128, m0,
+    if constexpr (kGradsWgmma) {
+      const int g = thread_index() >> 7, n128 = (128 / CG) * g, n64 = (64 / CG) * g;
+      fence_acc(dAU), fence_acc(acc);
+      wgmma_fence();
+      wg_gemm<NT64, 8, false, kSD, false, kSD>(dAU, B16(B_DWH), B16(B_DWL), B16(B_XH) + 64 * n64, B16(B_XL) + 64 * n64);
+      wg_gemm<NT128, 4, true, kSA, true, kSD>(acc, B16(A_AH), B16(A_AL), swh_col(B16(B_DWH), n128), swh_col(B16(B_DWL), n128));
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc(dAU), fence_acc(acc);
+    } else {
+      constexpr int S = kRowsSwh;
+      wgemm<1, NT64, S, false, kSD, S, false, kSD>(dAU, B16(B_DWH), B16(B_DWL), m0, 0, B16(B_XH), B16(B_XL), n64, 0, D, lane);
+      wgemm<1, NT128, 64, true, kSA, S, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DWH), B16(B_DWL), n128, m0,
                                                  C - m0, lane);
+    }
+    epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+      st2<64>(B16(B_DAH), B16(B_DAL), r, cc, x0 * sBeta[cc], x1 * sBeta[cc + 1]);
+    });
     float rs[2] = {0.f, 0.f};
     const int g4 = lane >> 2, l4 = lane & 3;
 #pragma unroll
@@ -993,6 +1180,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       }
     store_row_sums(sDb, (2 * CG + cg) * C + m0, rs, lane);
   }
+  if constexpr (kGradsWgmma) fence_async_smem();  // dA, then B3's wgmma
   __syncthreads();
   // ---- B3: T1 = A^T dA; dL = -(T1 A^T) strictly lower; dP = beta dL; dbeta partial sum(dL o P) ----
   const float* sP = reinterpret_cast<const float*>(smem + B_P);  // P lands while T1 is formed
@@ -1001,13 +1189,34 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   {
     float acc[1][NT64][4];
     zero(acc);
-    wgemm<1, NT64, 64, true, kSA, 64, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
-                                                C - m0, lane);
+    if constexpr (kGradsWgmma) {
+      const int n64 = (64 / CG) * (thread_index() >> 7);
+      fence_acc(acc);
+      wgmma_fence();
+      wg_gemm<NT64, 4, true, kSA, true, kSD>(acc, B16(A_AH), B16(A_AL), B16(B_DAH) + n64, B16(B_DAL) + n64);
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc(acc);
+    } else {
+      wgemm<1, NT64, 64, true, kSA, 64, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
+                                                  C - m0, lane);
+    }
     epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(B_T1H), B16(B_T1L), r, cc, x0, x1); });
     cp_async_wait_all();
+    if constexpr (kGradsWgmma) fence_async_smem();
     __syncthreads();
     zero(acc);
-    wgemm<1, NT64, 64, false, kSD, 64, false, kSA>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), B16(A_AL), n64, 0, C, lane);
+    if constexpr (kGradsWgmma) {
+      const int n64 = (64 / CG) * (thread_index() >> 7);
+      fence_acc(acc);
+      wgmma_fence();
+      wg_gemm<NT64, 4, false, kSD, false, kSA>(acc, B16(B_T1H), B16(B_T1L), B16(A_AH) + 64 * n64, B16(A_AL) + 64 * n64);
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc(acc);
+    } else {
+      wgemm<1, NT64, 64, false, kSD, 64, false, kSA>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), B16(A_AL), n64, 0, C, lane);
+    }
     float rs[2] = {0.f, 0.f};
     epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
       const float l0 = cc < r ? -x0 : 0.f, l1 = cc + 1 < r ? -x1 : 0.f;

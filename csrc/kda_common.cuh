@@ -37,6 +37,9 @@ __device__ __forceinline__ float frcp(float x) {
 // chunk index XOR-ed with (r & 7): ldmatrix over 8 consecutive rows then hits 8 distinct bank groups.
 __device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 __device__ __forceinline__ int sw64(int r, int c) { return r * 64 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
+// Element offset of (r, c) in a [rows][128] bf16 tile stored as two [rows][64] halves (c < 64 first) of
+// sw64 rows: the wgmma layout of 128 columns when the tile has 64 rows (a half is 4096 elements).
+__device__ __forceinline__ int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -191,9 +194,12 @@ __device__ __forceinline__ void negate_split(uint32_t (&hi)[4], uint32_t (&lo)[4
 }
 
 // ---- fragment loads (tile pointers are bf16 bases of swizzled tiles; RL = row length 128 or 64) ----
+// RL = kRowsSwh: a [rows][128] tile stored as two [rows][64] sw64 halves (swh: the wgmma layout of 128 columns)
+constexpr int kRowsSwh = 0;
 template <int RL>
 __device__ __forceinline__ int swz(int r, int c) {
-  if constexpr (RL == 128) return sw128(r, c);
+  if constexpr (RL == kRowsSwh) return swh(r, c);
+  else if constexpr (RL == 128) return sw128(r, c);
   else return sw64(r, c);
 }
 // Address of the 16-byte row chunk a lane hands to ldmatrix.x4 in a swizzled tile of RL-element rows: tile
@@ -204,6 +210,7 @@ __device__ __forceinline__ int swz(int r, int c) {
 // a chain of integer ops per load (a third of the walks' issued instructions, ncu, NOTES.md session 5).
 template <int RL, class T>
 __device__ __forceinline__ const T* frag_ptr(const T* t, int r0, int c0, int rl, int ch) {
+  if constexpr (RL == kRowsSwh) return frag_ptr<64>(t + ((c0 >> 6) << 12), r0, c0 & 63, rl, ch);  // a 16-column block lies in one half
   const int lane_part = rl * (2 * RL) + ((ch ^ (rl & 7)) << 4);
   return reinterpret_cast<const T*>(reinterpret_cast<const char*>(t) + ((lane_part ^ (2 * c0)) + r0 * (2 * RL)));
 }
@@ -272,15 +279,12 @@ __device__ __forceinline__ int thread_index() {
 // a ready A operand), B (16 x N) from shared memory through a descriptor, D in the accumulator layout of N / 8
 // m16n8 tiles per warp. B tiles are K-major in the canonical 128-byte swizzle: rows (the N index) of 64
 // bf16 (128 bytes) with the 16-byte chunk index XOR-ed with (row & 7), i.e. sw64, in 1024-byte groups of
-// 8 rows; a tile with 128 keys is stored as two such 64-key halves (swh below).
+// 8 rows; a tile with 128 keys is stored as two such 64-key halves (swh above).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KDA_HAS_WGMMA 1
 #else
 #define KDA_HAS_WGMMA 0
 #endif
-// Element offset of (r, c) in a [rows][128] bf16 tile stored as two [rows][64] halves (c < 64 first) of
-// sw64 rows: the wgmma K-major layout when the tile has 64 rows (a half is 4096 elements).
-__device__ __forceinline__ int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
 // Descriptor of a 128-byte-swizzled B tile at `tile` (1024-byte aligned), layout 1 = 128-byte swizzle, 8-row
 // groups 1024 bytes apart. K-major (rows = N): the leading byte offset is unused (16); the k-th 16-key step
 // inside a 64-key half starts 32 k bytes later (add 2 k to the descriptor). MN-major (rows = K, 64 N-values per
@@ -352,6 +356,46 @@ __device__ __forceinline__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32
   if constexpr (F16) KDA_WGMMA_N128_MN("f16");
   else KDA_WGMMA_N128_MN("bf16");
 }
+// D (this warp's 16 rows x 8 N8 columns) += A (64 x 16 via da) B (16 x 8 N8 via db), both from shared memory: warp w
+// of the group gets rows 16 w .. 16 w + 15 of A's 64. TA / TB: A / B MN-major (A stored [k][m], B [k][n]), else
+// K-major (A [m][k], B [n][k]); the tiles in the 128-byte swizzle of sw128_desc. N8 = 2, 4, 8 or 16 (n16 .. n128;
+// an MN-major B of 128 columns is two 64-column halves LBO bytes apart).
+template <int N8, bool TA, bool TB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N8][4], uint64_t da, uint64_t db) {
+  static_assert(N8 == 2 || N8 == 4 || N8 == 8 || N8 == 16, "n16, n32, n64 or n128");
+  if constexpr (N8 == 2)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, %11, %12;\n}\n"
+        : KDA_WGMMA_TILE(d, 0), KDA_WGMMA_TILE(d, 1)
+        : "l"(da), "l"(db), "n"(1), "n"(int(TA)), "n"(int(TB)));
+  else if constexpr (N8 == 4)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+        : KDA_WGMMA_TILE(d, 0), KDA_WGMMA_TILE(d, 1), KDA_WGMMA_TILE(d, 2), KDA_WGMMA_TILE(d, 3)
+        : "l"(da), "l"(db), "n"(1), "n"(int(TA)), "n"(int(TB)));
+  else if constexpr (N8 == 8)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : KDA_WGMMA_ACC32(d)
+        : "l"(da), "l"(db), "n"(1), "n"(int(TA)), "n"(int(TB)));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : KDA_WGMMA_ACC64(d)
+        : "l"(da), "l"(db), "n"(1), "n"(int(TA)), "n"(int(TB)));
+}
 #undef KDA_WGMMA_N128_MN
 #undef KDA_WGMMA_N64
 #undef KDA_WGMMA_ACC64
@@ -370,6 +414,8 @@ template <bool F16 = false>
 __device__ void wgmma_n64_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc);
 template <bool F16 = false>
 __device__ void wgmma_n128_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc);
+template <int N8, bool TA, bool TB>
+__device__ void wgmma_ss(float (&d)[N8][4], uint64_t da, uint64_t db);
 #endif
 // %nsmid: one more than the largest SM id (at least the SM count; only used to aim L2 hints)
 __device__ __forceinline__ unsigned sm_count() {

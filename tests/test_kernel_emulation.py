@@ -297,6 +297,35 @@ def test_gradient_kernel(emu):
             assert _rel(a, b) <= 1e-5, name
 
 
+def _grads(lib, plan, inputs, do, warps):
+    """The gradient kernel's five outputs (NaN-filled before) from ``lib``'s records and walks."""
+    H, R = inputs[0].shape[1], plan.num_runs
+    chunks, runs, prep = _prep(lib, plan, inputs)
+    nc = chunks.shape[0]
+    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h), 8) == 0
+    assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh), 8) == 0
+    grads = [torch.full_like(x, float("nan")) for x in inputs]
+    assert lib.e_grads(*map(_p, (*inputs, do, chunks)), nc, H, _p(prep), _p(h), _p(dh), *map(_p, grads),
+                       ctypes.c_float(SCALE), warps) == 0
+    return grads
+
+
+def test_gradient_kernel_on_mma_sync_equals_wgmma(emu, emu_mma):
+    """The gradient kernel built without wgmma (sm_100a / sm_103a: every product on mma.sync) gives the bits of the
+    wgmma build (sm_90a: phase A, B2 and B3 on wgmma, both operands from shared memory), at 16 and 8 warps, on
+    chunks anchored once and by 16-row block (a steep document): the same products in the same order per element,
+    the wgmma products over a lower-triangular A's zero blocks adding exact zeros."""
+    plan, inputs, do, _, _ = _case([0, 37, 150, 230], 2, 9, steep_docs=(1,))
+    for warps in (16, 8):
+        a = _grads(emu, plan, inputs, do, warps)
+        b = _grads(emu_mma, plan, inputs, do, warps)
+        for name, x, y in zip(NAMES, a, b):
+            assert torch.isfinite(x.float()).all(), (warps, name)
+            assert torch.equal(x, y), f"{warps}-warp {name}: mma.sync and wgmma gradient kernels differ"
+
+
 def _random_maps(n, H, gen, decay=0.97):
     """n random affine maps (M [n, H, 128, 128], E [n, H, 128, 128]) fp32 with the shape of chunk summaries:
     Diag(gamma) minus a low-rank-ish part, norm ~1, so a chain neither blows up nor dies out."""

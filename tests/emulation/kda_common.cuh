@@ -163,10 +163,17 @@ inline void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
   hi = pk(hx.x, hy.x);
   lo = pack_bf16(x - __bfloat162float(hx), y - __bfloat162float(hy));
 }
-template <int RL> inline int swz(int r, int c) { if constexpr (RL == 128) return sw128(r, c); else return sw64(r, c); }
+inline int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
+constexpr int kRowsSwh = 0;  // csrc's row-length code of a swh tile
+template <int RL> inline int swz(int r, int c) {
+  if constexpr (RL == kRowsSwh) return swh(r, c);
+  else if constexpr (RL == 128) return sw128(r, c);
+  else return sw64(r, c);
+}
 // csrc's frag_ptr (the lane part XOR 2 c0, plus the row part), checked on every load against the plain
 // swizzle of the full indices: a caller whose block corner breaks its preconditions aborts the emulation.
 template <int RL, class T> inline const T* frag_ptr(const T* t, int r0, int c0, int rl, int ch) {
+  if constexpr (RL == kRowsSwh) return frag_ptr<64>(t + ((c0 >> 6) << 12), r0, c0 & 63, rl, ch);
   const int lane_part = rl * (2 * RL) + ((ch ^ (rl & 7)) << 4);
   const char* p = reinterpret_cast<const char*>(t) + ((lane_part ^ (2 * c0)) + r0 * (2 * RL));
   if (p != reinterpret_cast<const char*>(t + swz<RL>(r0 + rl, c0 + 8 * ch))) {
@@ -253,7 +260,6 @@ inline void cp_async_wait1() { t_async.wait(1); }
 #define KDA_HAS_WGMMA 1
 #endif
 inline uint32_t smem_u32(const void* p) { return uint32_t(static_cast<const char*>(p) - g_smem); }
-inline int swh(int r, int c) { return ((c >> 6) << 12) + sw64(r, c & 63); }
 inline uint64_t sw128_desc(const void* tile, uint32_t lbo = 16) {
   return uint64_t((smem_u32(tile) & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
          (uint64_t(1) << 62);
@@ -269,7 +275,7 @@ template <int N8, bool MN, bool F16>
 inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
   const uint32_t start = uint32_t(desc & 0x3FFF) << 4, sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
   const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFF) << 4;
-  if ((desc >> 62) != 1 || sbo != 1024 || (start & (MN ? 0x3FF : 0x380)) != 0) {
+  if ((desc >> 62) != 1 || sbo != 1024 || (start & 0x380) != 0) {
     std::fprintf(stderr, "wgmma: descriptor %llx not modelled\n", static_cast<unsigned long long>(desc));
     std::abort();
   }
@@ -292,6 +298,35 @@ inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
       const int row = g + 8 * (e >> 1), col = n8 * 8 + 2 * t + (e & 1);
       double s = d[n8][e];
       for (int k = 0; k < 16; ++k) s += double(A[row][k]) * double(b(k, col));
+      d[n8][e] = float(s);
+    }
+}
+// B(k, n) or A(m, k) of a 16-bit operand through its descriptor: element (row, col) of the stored tile, where a
+// K-major tile's rows are N (M) and an MN-major tile's rows are K (its 64-column halves LBO bytes apart)
+inline float desc_elem(uint64_t desc, bool mn, int k, int n) {
+  const uint32_t start = uint32_t(desc & 0x3FFF) << 4, sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
+  const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFF) << 4;
+  if ((desc >> 62) != 1 || sbo != 1024 || (start & 0x380) != 0) {
+    std::fprintf(stderr, "wgmma: descriptor %llx not modelled\n", static_cast<unsigned long long>(desc));
+    std::abort();
+  }
+  uint32_t addr = mn ? start + uint32_t(n >> 6) * lbo + uint32_t(k >> 3) * sbo + uint32_t(k & 7) * 128 + 2 * (n & 63)
+                     : start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
+  addr ^= ((addr >> 7) & 7) << 4;
+  return elem<false>(b16at(g_smem, addr / 2), 0);
+}
+// Both operands from shared memory (bf16): this warp's 16 rows of A are rows 16 (warp % 4) .. of the group's 64.
+// An MN-major start may lie inside the first row of a 1024-byte group (an N or M offset of 16-byte multiples): the
+// swizzle is on the address bits, so it is the same tile read from a later column (the GPU tests check it).
+template <int N8, bool TA, bool TB>
+inline void wgmma_ss(float (&d)[N8][4], uint64_t da, uint64_t db) {
+  const int l = t_lane, m0 = 16 * ((threadIdx.x / 32) % 4);
+  const int g = l >> 2, t = l & 3;
+  for (int n8 = 0; n8 < N8; ++n8)
+    for (int e = 0; e < 4; ++e) {
+      const int row = m0 + g + 8 * (e >> 1), col = n8 * 8 + 2 * t + (e & 1);
+      double s = d[n8][e];
+      for (int k = 0; k < 16; ++k) s += double(desc_elem(da, TA, k, row)) * double(desc_elem(db, TB, k, col));
       d[n8][e] = float(s);
     }
 }
