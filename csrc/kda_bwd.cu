@@ -842,7 +842,7 @@ __device__ __forceinline__ void wg_gemm(float (&acc)[1][N8][4], const bf16* Ah, 
   }
 }
 // Column n0 of a [k][128] swh tile (an MN-major B at column n0: its half, then 2 (n0 % 64) bytes into the rows)
-__device__ __forceinline__ const bf16* swh_col(const bf16* t, int n0) { return t + ((n0 >> 6) << 12) + (n0 & 63); }
+[[maybe_unused]] __device__ __forceinline__ const bf16* swh_col(const bf16* t, int n0) { return t + ((n0 >> 6) << 12) + (n0 & 63); }
 // wgmma's accumulators are written asynchronously: the compiler must not touch them between the issue and the wait
 template <int N8>
 __device__ __forceinline__ void fence_acc(float (&acc)[1][N8][4]) { fence_frags(acc[0]); }
