@@ -267,25 +267,37 @@ def test_walks_on_mma_sync_equal_wgmma(emu, emu_mma):
             assert torch.equal(a[name], b[name]), f"{warps}-warp {name}: mma.sync and wgmma walks differ"
 
 
+def _walked(lib, plan, inputs, do):
+    """``lib``'s records and walks for the gradient kernel: (chunks, records, h, dh)."""
+    H, R = inputs[0].shape[1], plan.num_runs
+    chunks, runs, prep = _prep(lib, plan, inputs)
+    nc = chunks.shape[0]
+    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h), 8) == 0
+    assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh), 8) == 0
+    return chunks, prep, h, dh
+
+
+def _grads(lib, inputs, do, walked, warps):
+    """The gradient kernel's five outputs (NaN-filled before) from the records and walks ``walked``."""
+    chunks, prep, h, dh = walked
+    grads = [torch.full_like(x, float("nan")) for x in inputs]
+    assert lib.e_grads(*map(_p, (*inputs, do, chunks)), chunks.shape[0], inputs[0].shape[1], _p(prep), _p(h), _p(dh),
+                       *map(_p, grads), ctypes.c_float(SCALE), warps) == 0
+    return grads
+
+
 def test_gradient_kernel(emu):
     """dq, dk, dv, dg, dbeta of the gradient kernel (16 and 8 warps) from emulated records and walks against
     the torch backward (FP32), and 16 vs 8 warps: dq, dk, dv bitwise (the same accumulation order), dg and
     dbeta within FP32 regrouping."""
     plan, inputs, do, _, _ = _case([0, 37, 150], 2, 6)
-    H, R = 2, plan.num_runs
-    chunks, runs, prep = _prep(emu, plan, inputs)
-    nc = chunks.shape[0]
-    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    assert emu.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h), 8) == 0
-    assert emu.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh), 8) == 0
+    walked = _walked(emu, plan, inputs, do)
     ref = TorchBackend().bwd_grads(*inputs, do, SCALE, plan, None, None)
     got = {}
     for w in (16, 8):
-        grads = [torch.full_like(x, float("nan")) for x in inputs]
-        assert emu.e_grads(*map(_p, (*inputs, do, chunks)), nc, H, _p(prep), _p(h), _p(dh), *map(_p, grads),
-                           ctypes.c_float(SCALE), w) == 0
-        got[w] = grads
+        got[w] = grads = _grads(emu, inputs, do, walked, w)
         for name, x, r in zip(NAMES, grads, ref):
             err = _rel(x, r)
             print(f"emulated {w}-warp gradient kernel {name}: vs torch {err:.2e}")
@@ -297,30 +309,16 @@ def test_gradient_kernel(emu):
             assert _rel(a, b) <= 1e-5, name
 
 
-def _grads(lib, plan, inputs, do, warps):
-    """The gradient kernel's five outputs (NaN-filled before) from ``lib``'s records and walks."""
-    H, R = inputs[0].shape[1], plan.num_runs
-    chunks, runs, prep = _prep(lib, plan, inputs)
-    nc = chunks.shape[0]
-    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h), 8) == 0
-    assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh), 8) == 0
-    grads = [torch.full_like(x, float("nan")) for x in inputs]
-    assert lib.e_grads(*map(_p, (*inputs, do, chunks)), nc, H, _p(prep), _p(h), _p(dh), *map(_p, grads),
-                       ctypes.c_float(SCALE), warps) == 0
-    return grads
-
-
 def test_gradient_kernel_on_mma_sync_equals_wgmma(emu, emu_mma):
     """The gradient kernel built without wgmma (sm_100a / sm_103a: every product on mma.sync) gives the bits of the
     wgmma build (sm_90a: phase A, B2 and B3 on wgmma, both operands from shared memory), at 16 and 8 warps, on
     chunks anchored once and by 16-row block (a steep document): the same products in the same order per element,
     the wgmma products over a lower-triangular A's zero blocks adding exact zeros."""
     plan, inputs, do, _, _ = _case([0, 37, 150, 230], 2, 9, steep_docs=(1,))
+    walked = _walked(emu, plan, inputs, do), _walked(emu_mma, plan, inputs, do)
     for warps in (16, 8):
-        a = _grads(emu, plan, inputs, do, warps)
-        b = _grads(emu_mma, plan, inputs, do, warps)
+        a = _grads(emu, inputs, do, walked[0], warps)
+        b = _grads(emu_mma, inputs, do, walked[1], warps)
         for name, x, y in zip(NAMES, a, b):
             assert torch.isfinite(x.float()).all(), (warps, name)
             assert torch.equal(x, y), f"{warps}-warp {name}: mma.sync and wgmma gradient kernels differ"
