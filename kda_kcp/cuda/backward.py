@@ -196,10 +196,10 @@ def _best_length(run_chunks: list[int], forced_var: str, cost) -> int:
 def _pipelined_gradients(run_chunks: list[int], heads: int, sms: int) -> float:
     """Gradient time that whole-run walks hide (``_pipelined_walks_and_grads``), in ``choose_segment_chunks``' unit:
     each walk group but the longest starts its gradients when its own walks end, beside the longer walks, i.e. for
-    up to (longest - its longest run) units (its two walks run at once); all of them within the first group's window. Segmented walks end
-    together and hide almost none. Without it the estimate chose 66- and 77-chunk segments for one rank's runs
-    at W = 2, H = 16 (contiguous [658, 1386], zigzag [536, 1143, 365] chunks), measured 1.7 and 2.1 ms slower
-    than whole runs (NOTES.md, session 18)."""
+    up to (longest - its longest run) units (its two walks run at once); all of them within the first group's
+    window. Segmented walks end together and hide almost none. Without it the estimate chose 66- and 77-chunk
+    segments for one rank's runs at W = 2, H = 16 (contiguous [658, 1386], zigzag [536, 1143, 365] chunks),
+    measured 1.7 and 2.1 ms slower than whole runs (NOTES.md, session 18)."""
     lengths = {r: c for r, c in enumerate(run_chunks) if c > 0}  # an empty run has no walk, so no group
     groups = group_runs(lengths, _max_walk_groups())
     if len(groups) < 2:
