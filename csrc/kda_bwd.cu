@@ -831,8 +831,9 @@ __device__ __forceinline__ uint32_t k16_step(int ks) {
 template <int N8, int KS, bool TA, bool SA, bool TB, bool SB>
 __device__ __forceinline__ void wg_gemm(float (&acc)[1][N8][4], const bf16* Ah, const bf16* Al, const bf16* Bh,
                                         const bf16* Bl) {
-  const uint64_t ah = sw128_desc(Ah, TA ? 8192 : 16), bh = sw128_desc(Bh, TB ? 8192 : 16);
-  const uint64_t al = SA ? sw128_desc(Al, TA ? 8192 : 16) : 0, bl = SB ? sw128_desc(Bl, TB ? 8192 : 16) : 0;
+  // an MN-major tile's 64-column halves are swh's 8192 bytes apart; K-major ones leave the field unused
+  auto desc = [](const bf16* t, bool mn) { return sw128_desc(t, mn ? 8192 : 16); };
+  const uint64_t ah = desc(Ah, TA), bh = desc(Bh, TB), al = SA ? desc(Al, TA) : 0, bl = SB ? desc(Bl, TB) : 0;
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     const uint32_t ka = k16_step<TA>(ks), kb = k16_step<TB>(ks);
@@ -891,6 +892,21 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 
   float dQg[1][NT128][4], dW[1][NT128][4], dKg[1][NT128][4], dAqk[1][NT64][4], dAU[1][NT64][4];
   float* dgp = reinterpret_cast<float*>(smem + A_DGP);  // [NT][8] dgamma partials, keys 8 ((tid / 16) % 16) + i
+  // Epilogue pieces on an accumulator pair (row r, columns cc, cc + 1), whichever warps hold it:
+  // dv = beta dVb of value half voff and the dbeta partial sum(dVb o v) into rs
+  auto dv_pair = [&](int voff, int r, int cc, float x0, float x1, float& rs) {
+    const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
+    rs += x0 * vv.x + x1 * vv.y;
+    if (r < nrows) {
+      const float b = sBeta[r];
+      *reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.dv) + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
+    }
+  };
+  // -dW and s dAqk (strictly lower) staged for phase B
+  auto stage_dw = [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); };
+  auto stage_sdaqk = [&](int r, int cc, float& x0, float& x1) {
+    st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
+  };
   // 16 warps on wgmma: phase A by product (kByProduct, below); dQg, dKg and dAU reach the tiling above after it
   constexpr bool kByProduct = kGradsWgmma && NW == 16;
   float P[1][16][4], Q[1][8][4];  // by product: the warpgroup's accumulators
@@ -902,7 +918,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     // Group 0: dQg (P) and dVb (Q, per half); 1: dW; 2: dKg; 3: dAqk (P0) and dAU (P1). The same products in the
     // same order per element as below, so the same bits.
     zero(P);
-    const int wg = warp >> 2;
+    const int wg = cg;  // the warpgroup
     for (int vh = 0; vh < 2; ++vh) {
       const int voff = 64 * vh;
       stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
@@ -928,8 +944,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       wgmma_commit();
       wgmma_wait0();
       fence_acc(P), fence_acc(Q);
-      if (wg == 0) {  // dv = beta dVb; dbeta partials per 16 columns, summed as the tiling below sums them
-        bf16* dv = static_cast<bf16*>(a.dv);
+      if (wg == 0) {  // dv; the dbeta partials per 16 columns, summed as the tiling below sums them
         const int g4 = lane >> 2, l4 = lane & 3;
 #pragma unroll
         for (int cgp = 0; cgp < CG; ++cgp) {
@@ -937,16 +952,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 #pragma unroll
           for (int ni = (8 / CG) * cgp; ni < (8 / CG) * (cgp + 1); ++ni)
 #pragma unroll
-            for (int e2 = 0; e2 < 2; ++e2) {
-              const int r = m0 + g4 + 8 * e2, cc = 8 * ni + 2 * l4;
-              const float x0 = Q[0][ni][2 * e2], x1 = Q[0][ni][2 * e2 + 1];
-              const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
-              rs[e2] += x0 * vv.x + x1 * vv.y;
-              if (r < nrows) {
-                const float b = sBeta[r];
-                *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
-              }
-            }
+            for (int e2 = 0; e2 < 2; ++e2)
+              dv_pair(voff, m0 + g4 + 8 * e2, 8 * ni + 2 * l4, Q[0][ni][2 * e2], Q[0][ni][2 * e2 + 1], rs[e2]);
           store_row_sums(sDb, (vh * CG + cgp) * C + m0, rs, lane);
         }
       }
@@ -993,17 +1000,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         wgemm<1, NT64, 64, true, kSA, 64, false, kSVB>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
       }
       {
-        // dv = beta dVb; dbeta partial sum(dVb o v)
         float rs[2] = {0.f, 0.f};
-        bf16* dv = static_cast<bf16*>(a.dv);
-        epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-          const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
-          rs[(r - m0) >> 3] += x0 * vv.x + x1 * vv.y;
-          if (r < nrows) {
-            const float b = sBeta[r];
-            *reinterpret_cast<uint32_t*>(dv + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
-          }
-        });
+        epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { dv_pair(voff, r, cc, x0, x1, rs[(r - m0) >> 3]); });
         store_row_sums(sDb, (vh * CG + cg) * C + m0, rs, lane);
       }
       __syncthreads();
@@ -1024,21 +1022,19 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     float* rk = reinterpret_cast<float*>(smem + R_K);
     float* ru = reinterpret_cast<float*>(smem + R_U);
     auto at64 = [](int r, int c) { return r * 64 + (c ^ ((r & 3) << 3)); };  // fp32 [64][64], f32_at<true>'s swizzle
-    const int wg = warp >> 2;
+    const int wg = cg;
     if (wg == 0) {
       epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
         *reinterpret_cast<float2*>(rq + f32_at<true>(r, cc)) = make_float2(x0, x1);
       });
     } else if (wg == 1) {
-      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
+      epi(P, m0, 0, lane, stage_dw);
     } else if (wg == 2) {
       epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
         *reinterpret_cast<float2*>(rk + f32_at<true>(r, cc)) = make_float2(x0, x1);
       });
     } else {
-      epi(P0, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
-        st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
-      });
+      epi(P0, m0, 0, lane, stage_sdaqk);
       epi(P1, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
         *reinterpret_cast<float2*>(ru + at64(r, cc)) = make_float2(x0, x1);
       });
@@ -1123,11 +1119,9 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         if (g4 == 0) sCs[(warp & 3) * D + n128 + 8 * ni + 2 * l4 + b] = s;
       }
   }
-  if constexpr (!kByProduct) {
-    epi(dW, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); });
-    epi(dAqk, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-      st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
-    });
+  if constexpr (!kByProduct) {  // (by product, their owners staged them after phase A)
+    epi(dW, m0, n128, lane, stage_dw);
+    epi(dAqk, m0, n64, lane, stage_sdaqk);
   }
   for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;

@@ -254,7 +254,7 @@ inline void cp_async_wait1() { t_async.wait(1); }
 // descriptor as the hardware reads it: start address, 8-row groups SBO bytes apart, rows 128 bytes apart,
 // (MN-major: 64-column halves of N LBO bytes apart), then the 128-byte swizzle applied to the address bits
 // (bits 4-6 XOR bits 7-9). A descriptor this code does not model (another layout or group stride, a start
-// outside the first row of a 1024-byte group, or not on one for MN-major) aborts.
+// outside the first row of a 1024-byte group) aborts.
 // The emulation runs it synchronously: a missing fence or wait is not caught here.
 #ifndef KDA_HAS_WGMMA  // -DKDA_HAS_WGMMA=0: the kernels' mma.sync paths (sm_100a / sm_103a), tests/test_kernel_emulation.py
 #define KDA_HAS_WGMMA 1
@@ -271,14 +271,30 @@ inline void fence_async_smem() {}
 inline void wgmma_fence() {}
 inline void wgmma_commit() {}
 inline void wgmma_wait0() {}
+// A shared-memory operand through its descriptor, decoded once: at(mn, k, n) is B(k, n) (or A(m = n, k)), element
+// (row, col) of the stored tile, where a K-major tile's rows are N (M) and an MN-major tile's rows are K (its
+// 64-column halves LBO bytes apart)
+struct Desc {
+  uint32_t start, sbo, lbo;
+  explicit Desc(uint64_t desc)
+      : start(uint32_t(desc & 0x3FFF) << 4), sbo(uint32_t((desc >> 32) & 0x3FFF) << 4),
+        lbo(uint32_t((desc >> 16) & 0x3FFF) << 4) {
+    if ((desc >> 62) != 1 || sbo != 1024 || (start & 0x380) != 0) {
+      std::fprintf(stderr, "wgmma: descriptor %llx not modelled\n", static_cast<unsigned long long>(desc));
+      std::abort();
+    }
+  }
+  template <bool F16 = false>
+  float at(bool mn, int k, int n) const {
+    uint32_t addr = mn ? start + uint32_t(n >> 6) * lbo + uint32_t(k >> 3) * sbo + uint32_t(k & 7) * 128 + 2 * (n & 63)
+                       : start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
+    addr ^= ((addr >> 7) & 7) << 4;
+    return elem<F16>(b16at(g_smem, addr / 2), 0);
+  }
+};
 template <int N8, bool MN, bool F16>
 inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
-  const uint32_t start = uint32_t(desc & 0x3FFF) << 4, sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
-  const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFF) << 4;
-  if ((desc >> 62) != 1 || sbo != 1024 || (start & 0x380) != 0) {
-    std::fprintf(stderr, "wgmma: descriptor %llx not modelled\n", static_cast<unsigned long long>(desc));
-    std::abort();
-  }
+  const Desc db(desc);
   WarpCtx* w = t_warp;
   const int l = t_lane;
   for (int i = 0; i < 4; ++i) w->u[l][i] = a[i];
@@ -286,47 +302,29 @@ inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
   float A[16][16];
   gather_a<F16>(w, A);
   w->bar.arrive_and_wait();
-  auto b = [&](int k, int n) {  // B(k, n): K-major rows are n, MN-major rows are k
-    uint32_t addr = MN ? start + uint32_t(n >> 6) * lbo + uint32_t(k >> 3) * sbo + uint32_t(k & 7) * 128 + 2 * (n & 63)
-                       : start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
-    addr ^= ((addr >> 7) & 7) << 4;
-    return elem<F16>(b16at(g_smem, addr / 2), 0);
-  };
   const int g = l >> 2, t = l & 3;
   for (int n8 = 0; n8 < N8; ++n8)
     for (int e = 0; e < 4; ++e) {
       const int row = g + 8 * (e >> 1), col = n8 * 8 + 2 * t + (e & 1);
       double s = d[n8][e];
-      for (int k = 0; k < 16; ++k) s += double(A[row][k]) * double(b(k, col));
+      for (int k = 0; k < 16; ++k) s += double(A[row][k]) * double(db.at<F16>(MN, k, col));
       d[n8][e] = float(s);
     }
 }
-// B(k, n) or A(m, k) of a 16-bit operand through its descriptor: element (row, col) of the stored tile, where a
-// K-major tile's rows are N (M) and an MN-major tile's rows are K (its 64-column halves LBO bytes apart)
-inline float desc_elem(uint64_t desc, bool mn, int k, int n) {
-  const uint32_t start = uint32_t(desc & 0x3FFF) << 4, sbo = uint32_t((desc >> 32) & 0x3FFF) << 4;
-  const uint32_t lbo = uint32_t((desc >> 16) & 0x3FFF) << 4;
-  if ((desc >> 62) != 1 || sbo != 1024 || (start & 0x380) != 0) {
-    std::fprintf(stderr, "wgmma: descriptor %llx not modelled\n", static_cast<unsigned long long>(desc));
-    std::abort();
-  }
-  uint32_t addr = mn ? start + uint32_t(n >> 6) * lbo + uint32_t(k >> 3) * sbo + uint32_t(k & 7) * 128 + 2 * (n & 63)
-                     : start + uint32_t(n >> 3) * sbo + uint32_t(n & 7) * 128 + 2 * k;
-  addr ^= ((addr >> 7) & 7) << 4;
-  return elem<false>(b16at(g_smem, addr / 2), 0);
-}
 // Both operands from shared memory (bf16): this warp's 16 rows of A are rows 16 (warp % 4) .. of the group's 64.
 // An MN-major start may lie inside the first row of a 1024-byte group (an N or M offset of 16-byte multiples): the
-// swizzle is on the address bits, so it is the same tile read from a later column (the GPU tests check it).
+// swizzle is on the address bits, so it is the same tile read from a later column (an H200 probe agreed: NOTES.md
+// session 29).
 template <int N8, bool TA, bool TB>
 inline void wgmma_ss(float (&d)[N8][4], uint64_t da, uint64_t db) {
+  const Desc a(da), b(db);
   const int l = t_lane, m0 = 16 * ((threadIdx.x / 32) % 4);
   const int g = l >> 2, t = l & 3;
   for (int n8 = 0; n8 < N8; ++n8)
     for (int e = 0; e < 4; ++e) {
       const int row = m0 + g + 8 * (e >> 1), col = n8 * 8 + 2 * t + (e & 1);
       double s = d[n8][e];
-      for (int k = 0; k < 16; ++k) s += double(desc_elem(da, TA, k, row)) * double(desc_elem(db, TB, k, col));
+      for (int k = 0; k < 16; ++k) s += double(a.at(TA, k, row)) * double(b.at(TB, k, col));
       d[n8][e] = float(s);
     }
 }
