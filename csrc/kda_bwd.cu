@@ -700,6 +700,18 @@ constexpr int B_QRH = 49152;
 constexpr int B_QRL = 65536;
 constexpr int B_Z = 81920;    // fp32 [CG][4 NT128][32 lanes]: row block 0's last column block (pairwise columns)
 constexpr int B_DG = 0;       // fp32 [64][128] dG staging (B5)
+// B4' (one-anchor chunks): its operands, swh tiles over the dead phase-B tiles, clear of s dAqk, dP, G, q and k
+constexpr int O_KRH = 0;      // K o e^(G - G_63)
+constexpr int O_KRL = 16384;
+constexpr int O_CCH = 49152;  // K o e^(G_0 - G)
+constexpr int O_CCL = 65536;
+constexpr int O_QRH = 81920;  // Q o e^(G - G_63)
+constexpr int O_QRL = 98304;
+// ... and, by product (16 warps on wgmma), its three accumulators on their way to the warp tiling: fp32 [64][128]
+// (f32_at<true>) tiles of the rows of s dAqk, the rows of dP and the columns, over the dead operands, clear of dG (B5)
+constexpr int O_T = 32768;
+static_assert(O_KRL + C * D * 2 <= B_SDAH && B_SDAL + C * C * 2 <= O_CCH && O_QRL + C * D * 2 <= B_G, "B4' operands");
+static_assert(B_DG + C * D * 4 <= O_T && O_T + 3 * C * D * 4 <= B_G, "B4' hand-over");
 // phase A by product (16 warps on wgmma): dQg, dKg (fp32 [64][128], f32_at<true>) and dAU (fp32 [64][64]) on their way
 // to the warp tiling, over phase-A tiles dead by then and clear of dW / s dAqk (0 .. 48 KiB) and the dgamma partials
 constexpr int R_Q = 49152;
@@ -1226,78 +1238,167 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     const int I = t / D + 1, d = t % D;
     sCF[t] = fexp(sG[f32_at<true>(16 * I, d)] - sG[f32_at<true>(16 * (I - 1), d)]);
   }
-  // the Cc sections lie over X, A, dA and T1; one anchor for the chunk where every column's gates sum to
-  // >= -kOneAnchor (G_63 includes row 0's gate, so it bounds G_0 - G_63; kda_chunk_prep.cuh)
+  // One anchor for the chunk where every column's gates sum to >= -kOneAnchor (G_63 includes row 0's gate, so it
+  // bounds G_0 - G_63; kda_chunk_prep.cuh): the pairwise rows and columns are then one product each (B4' below);
+  // otherwise they go by 16-row block (B4 and the columns after it).
   const bool one_anchor = !__syncthreads_or(tid < D && sG[f32_at<true>(63, tid)] < -chunk_prep::kOneAnchor);
-  // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
-  // Section I holds K_j exp(G_a - G_j) for the rows j <= 16 I + 15, anchored at a = 16 I, or at a = 0 for every I on
-  // a one-anchor chunk: then all rows go once into section 3 and every row block reads it. Otherwise row j of block
-  // b = j / 16 is formed with one exponential in section b and carried into sections b + 1 .. 3 by their steps
-  // exp(G_16I - G_16(I-1)): 64 exponentials per column instead of 160 (the staging was issue-bound on MUFU).
-  for (int p = tid; p < C * (D / 2); p += NT) {
-    const int j = p >> 6, d = (p & 63) * 2, b = j >> 4;  // a warp's 32 pieces share j, so b is warp-uniform
-    const float2 kk = ld2<128>(B16(B_K), j, d);
-    const int a0 = one_anchor ? 0 : 16 * b;
-    float v0 = kk.x * fexp(sG[f32_at<true>(a0, d)] - sG[f32_at<true>(j, d)]);
-    float v1 = kk.y * fexp(sG[f32_at<true>(a0, d + 1)] - sG[f32_at<true>(j, d + 1)]);
-    if (one_anchor) {
-      st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(3) + j, d, v0, v1);
-      continue;
-    }
-    st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(b) + j, d, v0, v1);
-    for (int I = b + 1; I < 4; ++I) {
-      const float2 f = *reinterpret_cast<const float2*>(sCF + (I - 1) * D + d);
-      v0 *= f.x;
-      v1 *= f.y;
-      st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(I) + j, d, v0, v1);
-    }
-  }
-  __syncthreads();
-  {
-    const int I = warp & 3;
-    const int aI = one_anchor ? 0 : 16 * I;  // the anchor row of this row block's section
-    const bf16* cch = B16(B_CCH) + cc_sec(one_anchor ? 3 : I) * D;
-    const bf16* ccl = B16(B_CCL) + cc_sec(one_anchor ? 3 : I) * D;
-    float acc[1][NT128][4];
-    zero(acc);
-    wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
-    bf16* dq = static_cast<bf16*>(a.dq);
-    const int g4 = lane >> 2, l4 = lane & 3;
-    // y = acc o exp(G_r - G_aI): dX += y, Rg += x o y (x the bf16 row operand, q or k)
-    auto add_pairwise_rows = [&](const float (&acc)[1][NT128][4], float (&dX)[1][NT128][4], const bf16* x) {
+  const int g4 = lane >> 2, l4 = lane & 3;
+  bf16* dq = static_cast<bf16*>(a.dq);
+  bf16* dk = static_cast<bf16*>(a.dk);
+  // rows: y = acc o exp(G_r - G_ar): dX += y, Rg += x o y (x the bf16 row operand, q or k)
+  auto add_pairwise_rows = [&](const float (&acc)[1][NT128][4], int ar, float (&dX)[1][NT128][4], const bf16* x) {
 #pragma unroll
-      for (int ni = 0; ni < NT128; ++ni)
+    for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-          const float y = acc[0][ni][e] * fexp(sG[f32_at<true>(r, cc)] - sG[f32_at<true>(aI, cc)]);
-          dX[0][ni][e] += y;
-          Rg[0][ni][e] += __bfloat162float(x[sw128(r, cc)]) * y;
-        }
-    };
-    add_pairwise_rows(acc, dQg, B16(B_Q));
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        const float y = acc[0][ni][e] * fexp(sG[f32_at<true>(r, cc)] - sG[f32_at<true>(ar, cc)]);
+        dX[0][ni][e] += y;
+        Rg[0][ni][e] += __bfloat162float(x[sw128(r, cc)]) * y;
+      }
+  };
+  // columns: z (row r, column cc) goes into dk, and -k o z into dG
+  auto add_z = [&](int ni, int e, int r, int cc, float z) {
+    dKg[0][ni][e] += z;
+    Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
+  };
+  auto store_dq = [&] {
     epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
       if (r < nrows) *reinterpret_cast<uint32_t*>(dq + base + r * gs + cc) = pack_bf16(x0, x1);
     });
-    zero(acc);
-    wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
-    add_pairwise_rows(acc, dKg, B16(B_K));
-  }
-  __syncthreads();
-  // ---- pairwise columns: col = cols(dP, k) + cols(s dAqk, q) ----
-  for (int p = tid; p < C * D / 2; p += NT) {
-    const int r = p >> 6, d = (p & 63) * 2;
-    const int ar = r & ~15;
-    const float e0 = fexp(sG[f32_at<true>(r, d)] - sG[f32_at<true>(ar, d)]);
-    const float e1 = fexp(sG[f32_at<true>(r, d + 1)] - sG[f32_at<true>(ar, d + 1)]);
-    const float2 kk = ld2<128>(B16(B_K), r, d), qq = ld2<128>(B16(B_Q), r, d);
-    st2<128>(B16(B_KRH), B16(B_KRL), r, d, kk.x * e0, kk.y * e1);
-    st2<128>(B16(B_QRH), B16(B_QRL), r, d, qq.x * e0, qq.y * e1);
-  }
-  __syncthreads();
-  {
+  };
+  if (one_anchor) {
+    // ---- B4' (one anchor): rows(X) = X (K o e^(G_0 - G)), X = s dAqk (dq) or dP (dk), and columns
+    // dP^T (K o e^(G - G_63)) + s dAqk^T (Q o e^(G - G_63)) (dk), each a 64 x 128 product over the chunk's 64 keys ----
+    // Every factor lies in [1, e^64] and every output scale in [e^-64, 1] (the rows' Cc as before; the columns
+    // anchored at the last row, so small gradients meet large operands and no product leaves FP32's normal range).
+    {
+      const int d = 2 * (tid & 63);  // NT is a multiple of 64: a thread keeps its column pair
+      const float2 ga = ld2_f32<true>(sG, 0, d), gz = ld2_f32<true>(sG, 63, d);
+      for (int j = tid >> 6; j < C; j += NT / 64) {
+        const float2 gj = ld2_f32<true>(sG, j, d), kk = ld2<128>(B16(B_K), j, d), qq = ld2<128>(B16(B_Q), j, d);
+        const float u0 = fexp_ftz(ga.x - gj.x), u1 = fexp_ftz(ga.y - gj.y);
+        const float w0 = fexp_ftz(gj.x - gz.x), w1 = fexp_ftz(gj.y - gz.y);
+        st2<kRowsSwh>(B16(O_CCH), B16(O_CCL), j, d, kk.x * u0, kk.y * u1);
+        st2<kRowsSwh>(B16(O_KRH), B16(O_KRL), j, d, kk.x * w0, kk.y * w1);
+        st2<kRowsSwh>(B16(O_QRH), B16(O_QRL), j, d, qq.x * w0, qq.y * w1);
+      }
+    }
+    if constexpr (kGradsWgmma) fence_async_smem();
+    __syncthreads();
+    float acc[1][NT128][4];
+    if constexpr (kByProduct) {
+      // By product, as phase A: warpgroup 0 the rows of s dAqk, 1 the rows of dP (n128 each), 2 and 3 the columns
+      // (n64 each, both products); every operand read once per product. The accumulators reach the warp tiling
+      // through fp32 tiles over the dead operands.
+      const int wg = cg;
+      zero(P);
+      fence_acc(P);
+      wgmma_fence();
+      if (wg == 0) {
+        wg_gemm<16, 4, false, kSD, true, kSP>(P, B16(B_SDAH), B16(B_SDAL), B16(O_CCH), B16(O_CCL));
+      } else if (wg == 1) {
+        wg_gemm<16, 4, false, kSD, true, kSP>(P, B16(B_DPH), B16(B_DPL), B16(O_CCH), B16(O_CCL));
+      } else {
+        const int n0 = 64 * (wg - 2);
+        wg_gemm<8, 4, true, kSD, true, kSP>(P0, B16(B_DPH), B16(B_DPL), swh_col(B16(O_KRH), n0), swh_col(B16(O_KRL), n0));
+        wg_gemm<8, 4, true, kSD, true, kSP>(P0, B16(B_SDAH), B16(B_SDAL), swh_col(B16(O_QRH), n0), swh_col(B16(O_QRL), n0));
+      }
+      wgmma_commit();
+      wgmma_wait0();
+      fence_acc(P);
+      __syncthreads();  // every product done: the operand tiles are dead
+      float* t = reinterpret_cast<float*>(smem + O_T + 32768 * (wg < 2 ? wg : 2));
+      auto put = [&](int r, int cc, float& x0, float& x1) { *reinterpret_cast<float2*>(t + f32_at<true>(r, cc)) = make_float2(x0, x1); };
+      if (wg < 2) epi(P, m0, 0, lane, put);
+      else epi(P0, m0, 64 * (wg - 2), lane, put);
+      __syncthreads();
+    }
+    // this warp's part of handed-over accumulator i (by product)
+    auto take = [&](int i) {
+      const float* t = reinterpret_cast<const float*>(smem + O_T + 32768 * i);
+      epi(acc, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+        const float2 v = ld2_f32<true>(t, r, cc);
+        x0 = v.x, x1 = v.y;
+      });
+    };
+    // otherwise each row block J = warp & 3 over the keys its rows meet: up to its diagonal block (rows), from it (columns)
+    constexpr int S = kRowsSwh;
+    if constexpr (kByProduct) {
+      take(0);
+    } else {
+      zero(acc);
+      wgemm<1, NT128, 64, false, kSD, S, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, B16(O_CCH), B16(O_CCL), n128, 0, m0 + 16, lane);
+    }
+    add_pairwise_rows(acc, 0, dQg, B16(B_Q));
+    store_dq();
+    if constexpr (kByProduct) {
+      take(1);
+    } else {
+      zero(acc);
+      wgemm<1, NT128, 64, false, kSD, S, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, 0, B16(O_CCH), B16(O_CCL), n128, 0, m0 + 16, lane);
+    }
+    add_pairwise_rows(acc, 0, dKg, B16(B_K));
+    if constexpr (kByProduct) {
+      take(2);
+    } else {
+      zero(acc);
+      wgemm<1, NT128, 64, true, kSD, S, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, m0, B16(O_KRH), B16(O_KRL), n128, m0, C - m0, lane);
+      wgemm<1, NT128, 64, true, kSD, S, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, m0, B16(O_QRH), B16(O_QRL), n128, m0, C - m0, lane);
+      __syncthreads();  // B5's dG tile lies over K o e^(G - G_63)
+    }
+#pragma unroll
+    for (int ni = 0; ni < NT128; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        add_z(ni, e, r, cc, acc[0][ni][e] * fexp_ftz(sG[f32_at<true>(63, cc)] - sG[f32_at<true>(r, cc)]));
+      }
+  } else {
+    // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
+    // Section I holds K_j exp(G_a - G_j) for the rows j <= 16 I + 15, anchored at a = 16 I. Row j of block b = j / 16
+    // is formed with one exponential in section b and carried into sections b + 1 .. 3 by their steps
+    // exp(G_16I - G_16(I-1)): 64 exponentials per column instead of 160 (the staging was issue-bound on MUFU).
+    for (int p = tid; p < C * (D / 2); p += NT) {
+      const int j = p >> 6, d = (p & 63) * 2, b = j >> 4;  // a warp's 32 pieces share j, so b is warp-uniform
+      const float2 kk = ld2<128>(B16(B_K), j, d);
+      float v0 = kk.x * fexp(sG[f32_at<true>(16 * b, d)] - sG[f32_at<true>(j, d)]);
+      float v1 = kk.y * fexp(sG[f32_at<true>(16 * b, d + 1)] - sG[f32_at<true>(j, d + 1)]);
+      st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(b) + j, d, v0, v1);
+      for (int I = b + 1; I < 4; ++I) {
+        const float2 f = *reinterpret_cast<const float2*>(sCF + (I - 1) * D + d);
+        v0 *= f.x;
+        v1 *= f.y;
+        st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(I) + j, d, v0, v1);
+      }
+    }
+    __syncthreads();
+    {
+      const int I = warp & 3;
+      const bf16* cch = B16(B_CCH) + cc_sec(I) * D;
+      const bf16* ccl = B16(B_CCL) + cc_sec(I) * D;
+      float acc[1][NT128][4];
+      zero(acc);
+      wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
+      add_pairwise_rows(acc, 16 * I, dQg, B16(B_Q));
+      store_dq();
+      zero(acc);
+      wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
+      add_pairwise_rows(acc, 16 * I, dKg, B16(B_K));
+    }
+    __syncthreads();
+    // ---- pairwise columns: col = cols(dP, k) + cols(s dAqk, q) ----
+    for (int p = tid; p < C * D / 2; p += NT) {
+      const int r = p >> 6, d = (p & 63) * 2;
+      const int ar = r & ~15;
+      const float e0 = fexp(sG[f32_at<true>(r, d)] - sG[f32_at<true>(ar, d)]);
+      const float e1 = fexp(sG[f32_at<true>(r, d + 1)] - sG[f32_at<true>(ar, d + 1)]);
+      const float2 kk = ld2<128>(B16(B_K), r, d), qq = ld2<128>(B16(B_Q), r, d);
+      st2<128>(B16(B_KRH), B16(B_KRL), r, d, kk.x * e0, kk.y * e1);
+      st2<128>(B16(B_QRH), B16(B_QRL), r, d, qq.x * e0, qq.y * e1);
+    }
+    __syncthreads();
     const int J = warp & 3;
-    const int g4 = lane >> 2, l4 = lane & 3;
     // z of block I (the tokens 16 I ..) for the rows mr .. mr + 15: each element to f(ni, e, r, cc, z)
     auto cols_block = [&](int mr, int I, auto&& f) {
       float part[1][NT128][4];
@@ -1314,10 +1415,6 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
           f(ni, e, r, cc, part[0][ni][e] * fexp(sG[f32_at<true>(16 * I, cc)] - sG[f32_at<true>(r, cc)]));
         }
     };
-    auto add_z = [&](int ni, int e, int r, int cc, float z) {
-      dKg[0][ni][e] += z;
-      Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
-    };
     // Row block J takes the blocks I = J .. 3 (4, 3, 2, 1 of them); row block 3 also forms row block 0's
     // block I = 3 and hands its z over through shared memory, added after the barrier in the same place of
     // the sum: 3, 3, 2, 2 blocks, the same bits.
@@ -1332,11 +1429,10 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         for (int e = 0; e < 4; ++e)
           add_z(ni, e, m0 + g4 + 8 * (e >> 1), n128 + 8 * ni + 2 * l4 + (e & 1), sZ[32 * (4 * ni + e)]);
     }
-    bf16* dk = static_cast<bf16*>(a.dk);
-    epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-      if (r < nrows) *reinterpret_cast<uint32_t*>(dk + base + r * gs + cc) = pack_bf16(x0, x1);
-    });
   }
+  epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
+    if (r < nrows) *reinterpret_cast<uint32_t*>(dk + base + r * gs + cc) = pack_bf16(x0, x1);
+  });
   // ---- B5: dG -> dg (reverse cumsum), dbeta ----
   float* sDG = reinterpret_cast<float*>(smem + B_DG);
   epi(Rg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
