@@ -18,8 +18,9 @@
 //                                          from the record, h, dh and the walks' V_new / dV_new,
 //                                          every product on tensor cores, bf16 hi + lo operands
 //                                          (three products) wherever an operand is not exact in bf16;
-//                                          on sm_90a the state products (phase A, one warpgroup per
-//                                          product at 16 warps) and B2 / B3's by wgmma.
+//                                          on sm_90a the state products (phase A) and, on one-anchor
+//                                          chunks, the pairwise rows and columns (B4') by wgmma, one
+//                                          warpgroup per product at 16 warps; B2 / B3's by wgmma too.
 //
 // No atomics anywhere; every reduction has a fixed order, so the result is bitwise repeatable, and the
 // same kernels serve both packages (det and nondet).
@@ -822,11 +823,12 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
   for (int i = 0; i < 8; ++i) mine[i] = z == 0 ? dg[i] : mine[i] + dg[i];
 }
 
-// The products of phase A, B2 and B3 by wgmma on sm_90a (both operands from shared memory). B2, B3 (and phase A at
-// 8 warps): warpgroup cg computes the 64 rows x (128 / CG or 64 / CG) columns that its four warps hold in the
+// The products of phase A, B2, B3 and B4' by wgmma on sm_90a (both operands from shared memory). B2, B3 (and phase A
+// at 8 warps): warpgroup cg computes the 64 rows x (128 / CG or 64 / CG) columns that its four warps hold in the
 // mma.sync tiling (warp w of the group = row block 16 w), so the accumulators and the epilogues are the same. Phase A
-// at 16 warps goes by product instead (kByProduct in the kernel): at n32 per group each of the four groups read the
-// whole A operand, and the phase stayed bound by its operand bytes (NOTES.md session 29). No ldmatrix or operand
+// and B4' at 16 warps go by product instead (kByProduct in the kernel): at n32 per group each of the four groups read
+// the whole A operand, and the phase stayed bound by its operand bytes (NOTES.md sessions 29, 30). B4' at 8 warps
+// stays on mma.sync. No ldmatrix or operand
 // registers either way. Products whose K range skips a row block's zero blocks (A lower triangular) take the whole
 // K range here: the added products are exact zeros. mma.sync elsewhere (sm_100a / sm_103a); the same products in
 // the same order per element, so the same bits.

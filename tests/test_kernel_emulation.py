@@ -311,9 +311,10 @@ def test_gradient_kernel(emu):
 
 def test_gradient_kernel_on_mma_sync_equals_wgmma(emu, emu_mma):
     """The gradient kernel built without wgmma (sm_100a / sm_103a: every product on mma.sync) gives the bits of the
-    wgmma build (sm_90a: phase A, B2 and B3 on wgmma, both operands from shared memory), at 16 and 8 warps, on
-    chunks anchored once and by 16-row block (a steep document): the same products in the same order per element,
-    the wgmma products over a lower-triangular A's zero blocks adding exact zeros."""
+    wgmma build (sm_90a: phase A, B2, B3 and, on one-anchor chunks at 16 warps, the pairwise rows and columns on
+    wgmma, both operands from shared memory), at 16 and 8 warps, on chunks anchored once and by 16-row block (a
+    steep document): the same products in the same order per element, the wgmma products over a lower-triangular
+    A's zero blocks adding exact zeros."""
     plan, inputs, do, _, _ = _case([0, 37, 150, 230], 2, 9, steep_docs=(1,))
     walked = _walked(emu, plan, inputs, do), _walked(emu_mma, plan, inputs, do)
     for warps in (16, 8):
