@@ -1324,27 +1324,26 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         x0 = v.x, x1 = v.y;
       });
     };
-    // otherwise each row block J = warp & 3 over the keys its rows meet: up to its diagonal block (rows), from it (columns)
-    constexpr int S = kRowsSwh;
-    if constexpr (kByProduct) {
-      take(0);
-    } else {
-      zero(acc);
-      wgemm<1, NT128, 64, false, kSD, S, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, B16(O_CCH), B16(O_CCL), n128, 0, m0 + 16, lane);
-    }
+    // the rows of X = s dAqk (accumulator 0) or dP (1): handed over, or formed here by each row block J = warp & 3
+    // over the keys its rows meet (up to its diagonal block; the columns below from it)
+    auto rows = [&](int i, const bf16* xh, const bf16* xl) {
+      if constexpr (kByProduct) {
+        take(i);
+      } else {
+        zero(acc);
+        wgemm<1, NT128, 64, false, kSD, kRowsSwh, true, kSP>(acc, xh, xl, m0, 0, B16(O_CCH), B16(O_CCL), n128, 0, m0 + 16, lane);
+      }
+    };
+    rows(0, B16(B_SDAH), B16(B_SDAL));
     add_pairwise_rows(acc, 0, dQg, B16(B_Q));
     store_dq();
-    if constexpr (kByProduct) {
-      take(1);
-    } else {
-      zero(acc);
-      wgemm<1, NT128, 64, false, kSD, S, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, 0, B16(O_CCH), B16(O_CCL), n128, 0, m0 + 16, lane);
-    }
+    rows(1, B16(B_DPH), B16(B_DPL));
     add_pairwise_rows(acc, 0, dKg, B16(B_K));
     if constexpr (kByProduct) {
       take(2);
     } else {
       zero(acc);
+      constexpr int S = kRowsSwh;
       wgemm<1, NT128, 64, true, kSD, S, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, m0, B16(O_KRH), B16(O_KRL), n128, m0, C - m0, lane);
       wgemm<1, NT128, 64, true, kSD, S, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, m0, B16(O_QRH), B16(O_QRL), n128, m0, C - m0, lane);
       __syncthreads();  // B5's dG tile lies over K o e^(G - G_63)
