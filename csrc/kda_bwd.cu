@@ -827,11 +827,10 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
 // at 8 warps): warpgroup cg computes the 64 rows x (128 / CG or 64 / CG) columns that its four warps hold in the
 // mma.sync tiling (warp w of the group = row block 16 w), so the accumulators and the epilogues are the same. Phase A
 // and B4' at 16 warps go by product instead (kByProduct in the kernel): at n32 per group each of the four groups read
-// the whole A operand, and the phase stayed bound by its operand bytes (NOTES.md sessions 29, 30). B4' at 8 warps
-// stays on mma.sync. No ldmatrix or operand
-// registers either way. Products whose K range skips a row block's zero blocks (A lower triangular) take the whole
-// K range here: the added products are exact zeros. mma.sync elsewhere (sm_100a / sm_103a); the same products in
-// the same order per element, so the same bits.
+// the whole A operand, and the phase stayed bound by its operand bytes (NOTES.md sessions 29, 30); B4' at 8 warps
+// stays on mma.sync. No ldmatrix or operand registers either way. Products whose K range skips a row block's zero
+// blocks (A lower triangular) take the whole K range here: the added products are exact zeros. mma.sync elsewhere
+// (sm_100a / sm_103a); the same products in the same order per element, so the same bits.
 constexpr bool kGradsWgmma = KDA_HAS_WGMMA;
 // descriptor offset (16-byte units) of k16 step ks: MN-major tiles step by 16 rows; K-major ones by 32 bytes inside
 // a 64-column sw64 row, then to the next swh half
