@@ -102,6 +102,10 @@ def main():
                         "the measured step depend on where its tensors land?)")
     args = p.parse_args()
     dev = torch.device("cuda")
+    from kda_kcp.backend import select_backend
+
+    # a timeline of the torch backend's kernels is no answer: say which one ran (KDA_KCP_BACKEND=cuda makes it fail)
+    print(f"kda_kcp backend: {select_backend(dev, True).name}")
     for spec in args.before:
         run_before(spec, dev, args.workspace)
     if args.empty_cache:
