@@ -1309,7 +1309,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       wgmma_wait0();
       fence_acc(P);
       __syncthreads();  // every product done: the operand tiles are dead
-      float* t = reinterpret_cast<float*>(smem + O_T + 32768 * (wg < 2 ? wg : 2));
+      float* t = reinterpret_cast<float*>(smem + O_T + C * D * 4 * (wg < 2 ? wg : 2));  // tile i = min(wg, 2)
       auto put = [&](int r, int cc, float& x0, float& x1) { *reinterpret_cast<float2*>(t + f32_at<true>(r, cc)) = make_float2(x0, x1); };
       if (wg < 2) epi(P, m0, 0, lane, put);
       else epi(P0, m0, 64 * (wg - 2), lane, put);
@@ -1317,7 +1317,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     }
     // this warp's part of handed-over accumulator i (by product)
     auto take = [&](int i) {
-      const float* t = reinterpret_cast<const float*>(smem + O_T + 32768 * i);
+      const float* t = reinterpret_cast<const float*>(smem + O_T + C * D * 4 * i);
       epi(acc, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
         const float2 v = ld2_f32<true>(t, r, cc);
         x0 = v.x, x1 = v.y;
