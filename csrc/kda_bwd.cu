@@ -764,27 +764,25 @@ constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
 constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
 constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^T and A^T dV_new
 
-// The walks' V_new^T and dV_new^T (hi, and lo where split), value halves 0 and 1, from the record slots in the
-// walks' fragment order (kda_bwd.h) -> the swizzled tiles a_vn(z, .) [value column 64][token 64]: a 16-byte piece of
-// unit row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column. Piece p = tid + NT k sits at the
-// same place in every tile and slot half, so a thread's offsets are computed once for all of them (one generic
-// loop per tile was 22 % of this kernel's static instructions, NOTES.md session 27).
+// The walks' V_new^T and dV_new^T (hi, and lo where split) of value half z, from the record slots in the walks'
+// fragment order (kda_bwd.h) -> the swizzled tiles a_vn(z, .) [value column 64][token 64]: a 16-byte piece of unit
+// row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column. Piece p = tid + NT k sits at the same
+// place in every tile, so a thread's offsets are computed once for the half's tiles (one generic loop per tile was
+// 22 % of this kernel's static instructions, NOTES.md session 27). One call per half: the kernel requests half 1's
+// tiles in a cp.async group of their own, so that half 0's products do not wait for them.
 template <int NT>
-__device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int tid) {
+__device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int z, int tid) {
   static_assert((C * 8) % NT == 0, "whole pieces per thread");
 #pragma unroll
   for (int k = 0; k < C * 8 / NT; ++k) {
     const int p = tid + NT * k, R = p >> 3, g4 = p & 7;
     const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
     const int so = 2 * sw64(16 * w + g4 + 8 * (i & 1), 16 * ks + 8 * (i >> 1));  // bytes
-    const char* src = rec + R * kWalkRowBytes + 16 * g4;
-#pragma unroll
-    for (int z = 0; z < 2; ++z) {  // hi at byte 256 z of the row, lo 128 bytes later
-      cp_async16(smem + a_vn(z, kVNH) + so, src + kRecVn + 256 * z, true);
-      if (kSV) cp_async16(smem + a_vn(z, kVNL) + so, src + kRecVn + 256 * z + 128, true);
-      cp_async16(smem + a_vn(z, kDVH) + so, src + kRecDvn + 256 * z, true);
-      if (kSVB) cp_async16(smem + a_vn(z, kDVL) + so, src + kRecDvn + 256 * z + 128, true);
-    }
+    const char* src = rec + R * kWalkRowBytes + 16 * g4 + 256 * z;  // hi at byte 256 z of the row, lo 128 bytes later
+    cp_async16(smem + a_vn(z, kVNH) + so, src + kRecVn, true);
+    if (kSV) cp_async16(smem + a_vn(z, kVNL) + so, src + kRecVn + 128, true);
+    cp_async16(smem + a_vn(z, kDVH) + so, src + kRecDvn, true);
+    if (kSVB) cp_async16(smem + a_vn(z, kDVL) + so, src + kRecDvn + 128, true);
   }
 }
 
@@ -897,9 +895,11 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   // ---- phase A loads ----
   load_bf16_swh<NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, nrows, tid);
   load_bf16_swh<NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
-  load_walk_tiles<NT>(smem, rec, tid);
+  load_walk_tiles<NT>(smem, rec, 0, tid);
   load_lower_bf16<NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), tid);
   if (kSA) load_lower_bf16<NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), tid);
+  cp_async_commit();
+  load_walk_tiles<NT>(smem, rec, 1, tid);  // a group of its own: half 0 waits for the first group only
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
@@ -935,7 +935,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     for (int vh = 0; vh < 2; ++vh) {
       const int voff = 64 * vh;
       stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
-      cp_async_wait_all();
+      if (vh == 0) cp_async_wait1();
+      else cp_async_wait_all();
       fence_async_smem();
       __syncthreads();
       const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
@@ -982,7 +983,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       const int voff = 64 * vh;
       // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
       stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
-      cp_async_wait_all();
+      if (vh == 0) cp_async_wait1();
+      else cp_async_wait_all();
       if constexpr (kGradsWgmma) fence_async_smem();  // the tiles' cp.async and stage_states writes, then wgmma's reads
       __syncthreads();
       const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
