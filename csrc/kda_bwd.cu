@@ -405,7 +405,8 @@ __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, i
 }
 
 // Rows of a.runs: (first chunk, chunks, idx, src). Walk (!SUMMARY): the state enters from a.fold[idx]
-// when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written.
+// when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written, and the
+// state leaving row r to a.walk_out[r] when that is set.
 // SUMMARY: virtual columns [M (0..127) | E (128..255)] of the segment's affine map from a zero state,
 // grid.z = 256 / (16 NW), written to m_out[idx] / e_out[idx] (M indexed [key_out][key_in]).
 template <bool SUMMARY, int NW>
@@ -483,6 +484,8 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
   if constexpr (SUMMARY) {
     float* dst = (withU ? a.e_out : a.m_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
     state_tile_store(dst, ST, vcol, g4, l4);
+  } else if (a.walk_out != nullptr) {  // the state leaving the piece, FP32: the next piece starts from it exactly
+    state_tile_store(a.walk_out + (static_cast<int64_t>(r) * H + h) * D * D, ST, vcol, g4, l4);
   }
 }
 
@@ -653,6 +656,8 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
   if constexpr (SUMMARY) {
     float* dst = (withF ? a.f_out : a.mt_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
     state_tile_store(dst, ST, vcol, g4, l4);
+  } else if (a.walk_out != nullptr) {  // the gradient of the state entering the piece: the next (earlier) piece's
+    state_tile_store(a.walk_out + (static_cast<int64_t>(r) * H + h) * D * D, ST, vcol, g4, l4);
   }
 }
 

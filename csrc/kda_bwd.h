@@ -6,7 +6,8 @@
 // Tables (int32): chunks [Nc][2] = (first token, rows); walk rows [n][4] = (first chunk row, chunk count,
 // idx, src): the state enters from fold[idx] when src == 1, else from state_in / dstate_out[idx]
 // (zero when null or idx < 0); summary rows (first chunk row, chunk count, out idx, 0); fold chains
-// (first summary, count, init idx or -1, first out slot).
+// (first summary, count, init idx or -1, first out slot). A walk with walk_out also writes, per row, the FP32
+// state it ends with: a run walked as consecutive pieces (launches) hands it to the next piece as fold[row].
 //
 // The prep workspace holds one record of kPrepBytes per (chunk row, head), record index c * H + h.
 #pragma once
@@ -78,6 +79,8 @@ struct Args {
   float* m_out;             // forward segment summaries: [n, H, K, K]
   float* e_out;             // forward segment summaries: [n, H, K, V]
   const float* fold;        // walks: incoming states of segments with src == 1 [n, H, K, V]
+  float* walk_out;          // walks: the state (forward) or state gradient (reverse) leaving row i, to
+                            // walk_out[i] [nruns, H, K, V], or null (a split walk's hand-off to its next piece)
   void* dq;
   void* dk;
   void* dv;
@@ -87,8 +90,8 @@ struct Args {
 
 cudaError_t launch_prep(const Args& a, cudaStream_t s);
 // walks and summaries: warps = 4 or 8 per CTA (WalkShape in kda_bwd.cu)
-cudaError_t launch_fwd_walk(const Args& a, int warps, cudaStream_t s);     // writes h
-cudaError_t launch_rev_walk(const Args& a, int warps, cudaStream_t s);     // writes dh
+cudaError_t launch_fwd_walk(const Args& a, int warps, cudaStream_t s);     // writes h (and walk_out)
+cudaError_t launch_rev_walk(const Args& a, int warps, cudaStream_t s);     // writes dh (and walk_out)
 cudaError_t launch_rev_summary(const Args& a, int warps, cudaStream_t s);  // writes mt_out, f_out
 cudaError_t launch_fwd_summary(const Args& a, int warps, cudaStream_t s);  // writes m_out, e_out
 // warps: 8 or 16 per CTA (GradsTiling in kda_bwd.cu)

@@ -80,6 +80,13 @@ B::Args walk_args(const TensorView& prep, const TensorView& chunks, const Tensor
   return base_args(chunks, rows, H, prep);
 }
 
+// A walk's optional output: numel 0 for none, else fp32 [rows, H, 128, 128], one state per walk row.
+float* walk_out(const TensorView& s, const char* name, int64_t rows, int64_t H, int dev) {
+  if (s.numel() == 0) return nullptr;
+  check_state(s, name, rows, H, dev);
+  return static_cast<float*>(s.data_ptr());
+}
+
 // do bf16 [T, H, 128] (T from do itself: the walks read it through the chunk table)
 void check_dout(const TensorView& dout, int64_t H, int dev) {
   TVM_FFI_CHECK(dout.ndim() == 3, ValueError) << "do must be [T, H, 128]";
@@ -117,9 +124,10 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
 }
 
 // h[c] = state entering chunk c (bf16 hi only, kda_bwd.h) of every walk row (first chunk, count, idx, src): from
-// fold[idx] when src == 1, else state_in[idx] (numel 0 = zeros).
+// fold[idx] when src == 1, else state_in[idx] (numel 0 = zeros); state_out[row] = the state leaving the row (numel
+// 0: not written).
 void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorView state_in, TensorView fold,
-                  TensorView h, int64_t warps) {
+                  TensorView state_out, TensorView h, int64_t warps) {
   const int dev = prep.device().device_id;
   check_walk_warps(warps);
   TVM_FFI_CHECK(h.ndim() == 4, ValueError) << "h must be [Nc, H, 128, 128]";
@@ -129,13 +137,14 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
   a.h = hp;
   a.state_in = optional_state(state_in, "state_in", H, dev);
   a.fold = optional_state(fold, "segment states", H, dev);
+  a.walk_out = walk_out(state_out, "state_out", runs.size(0), H, dev);
   raise_on(B::launch_fwd_walk(a, static_cast<int>(warps), stream_of(h)), "kda bwd_fwd_walk launch");
 }
 
 // dh[c] = gradient of the state leaving chunk c (bf16 hi + lo, kda_bwd.h), walking every run from its end
-// (dstate_out or zero).
+// (dstate_out or zero); dstate_in[row] = the gradient of the state entering the row (numel 0: not written).
 void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
-                  TensorView fold, TensorView dh, int64_t warps) {
+                  TensorView fold, TensorView dstate_in, TensorView dh, int64_t warps) {
   const int dev = prep.device().device_id;
   check_walk_warps(warps);
   TVM_FFI_CHECK(dh.ndim() == 5, ValueError) << "dh must be [Nc, H, 2, 128, 128]";
@@ -147,6 +156,7 @@ void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorVie
   a.dh = dhp;
   a.dstate_out = optional_state(dstate_out, "dstate_out", H, dev);
   a.fold = optional_state(fold, "segment state gradients", H, dev);
+  a.walk_out = walk_out(dstate_in, "dstate_in", runs.size(0), H, dev);
   raise_on(B::launch_rev_walk(a, static_cast<int>(warps), stream_of(dh)), "kda bwd_rev_walk launch");
 }
 

@@ -39,8 +39,8 @@ def main():
     def run(which):
         pb = cb.PreparedBackward(q, k, v, g, beta, do, 128**-0.5, plan)
         mod, prep = pb.mod, pb.prep
-        fwd = lambda: mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h)  # noqa: E731
-        rev = lambda: mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh)  # noqa: E731
+        fwd = lambda: mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, e0, h, 8)  # noqa: E731
+        rev = lambda: mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, e0, dh, 8)  # noqa: E731
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()

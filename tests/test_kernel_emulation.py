@@ -246,8 +246,8 @@ def _walk_outputs(lib, plan, inputs, do, sin, dso, warps):
     assert lib.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f), warps) == 0
     h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
     dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, _p(h), warps) == 0
-    assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, _p(dh), warps) == 0
+    assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, None, _p(h), warps) == 0
+    assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, None, _p(dh), warps) == 0
     vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
     return {"h": cb.hi_states(h), "dh": cb.split_states(dh), "M": m, "E": e, "Mt": mt, "F": f, "V_new": vn,
             "dV_new": dvn}
@@ -274,8 +274,8 @@ def _walked(lib, plan, inputs, do):
     nc = chunks.shape[0]
     h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
     dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(h), 8) == 0
-    assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, _p(dh), 8) == 0
+    assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, None, _p(h), 8) == 0
+    assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, None, _p(dh), 8) == 0
     return chunks, prep, h, dh
 
 
@@ -373,13 +373,14 @@ class _Programs:
         self._ok(self.lib.e_prep(*map(_p, (q, k, v, g, beta, chunks)), chunks.shape[0], q.shape[1],
                                  ctypes.c_float(scale), _p(prep)), "bwd_prep")
 
-    def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, h, warps):
+    def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, state_out, h, warps):
         self._ok(self.lib.e_fwd_walk(_p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0], h.shape[1],
-                                     _p(state_in), _p(fold), _p(h), warps), "bwd_fwd_walk")
+                                     _p(state_in), _p(fold), _p(state_out), _p(h), warps), "bwd_fwd_walk")
 
-    def bwd_rev_walk(self, dout, prep, chunks, runs, dstate_out, fold, dh, warps):
+    def bwd_rev_walk(self, dout, prep, chunks, runs, dstate_out, fold, dstate_in, dh, warps):
         self._ok(self.lib.e_rev_walk(_p(dout), _p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0],
-                                     dh.shape[1], _p(dstate_out), _p(fold), _p(dh), warps), "bwd_rev_walk")
+                                     dh.shape[1], _p(dstate_out), _p(fold), _p(dstate_in), _p(dh), warps),
+                 "bwd_rev_walk")
 
     def bwd_fwd_summary(self, prep, chunks, segs, m, e, warps):
         self._ok(self.lib.e_fwd_summary(_p(prep), _p(chunks), chunks.shape[0], _p(segs), segs.shape[0], m.shape[1],
@@ -535,6 +536,28 @@ def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_group
     want = [[(0, 2), (6, 7)], [(2, 6)]] if max_groups == "2" else [[(6, 7)], [(0, 2)], [(2, 6)]]
     assert [grp.ranges for grp in groups] == want
     _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
+
+
+@pytest.mark.parametrize("pieces", ["2", "3"])
+def test_split_walks_are_bitwise_the_plain_backward(emu, monkeypatch, pieces):
+    """Whole-run walks launched in pieces (KDA_KCP_BWD_WALK_PIECES; each piece starts from the FP32 state its run's
+    previous piece leaves in the hand-off buffer) with each block's gradients once both walks have passed it: runs of
+    2, 4 and 1 chunks (blocks of zero chunks where a run is shorter than the pieces: a row that only hands its state
+    on), in one group and in three, and a single run; every gradient the unpipelined backward's bit for bit, from
+    given states."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
+    monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", pieces)
+    for cu, cap, seed in (([0, 70, 300, 330], "2", 13), ([0, 70, 300, 330], "4", 14), ([0, 250], "4", 15)):
+        monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", cap)
+        plan, inputs, do, sin, dso = _case(cu, 1, seed)
+        groups = cb._walk_groups(plan, 1, "cpu")
+        longest = max(grp.fwalk[:, 1].max().item() for grp in groups)
+        assert max(grp.pieces for grp in groups) == min(int(pieces), longest)
+        for grp in groups:  # the blocks cover the group's chunks once
+            covered = sorted(c for j in range(grp.pieces) for a, b in grp.blocks[j] for c in range(a, b))
+            assert covered == sorted(c for a, b in grp.ranges for c in range(a, b))
+        _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
 
 
 def _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch):

@@ -291,10 +291,12 @@ class SegTables:
 
 def table_knobs() -> tuple:
     """The knobs the segment tables depend on: the forced length, the walk width, and (through the pipelined
-    gradients' credit in ``choose_segment_chunks``) the pipeline flag and the group cap; and the KCP summaries'
-    forced segment length. Every cache built from the segment tables keys on them."""
+    gradients' credit in ``choose_segment_chunks``) the pipeline flag and the group cap; the KCP summaries'
+    forced segment length; the walk pieces (``walk_pieces``). Every cache built from the segment tables keys on
+    them."""
     return (os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""), os.environ.get("KDA_KCP_BWD_WALK_WARPS", ""), _pipeline(),
-            _max_walk_groups(), os.environ.get("KDA_KCP_BWD_SUMMARY_CHUNKS", ""))
+            _max_walk_groups(), os.environ.get("KDA_KCP_BWD_SUMMARY_CHUNKS", ""),
+            os.environ.get("KDA_KCP_BWD_WALK_PIECES", ""))
 
 
 # One composed segment, in chunk steps. Fitted to session 19's probe (one published run, H200): at H = 16, 486 chunks
@@ -433,7 +435,8 @@ def records_arena_bytes(plan, num_heads: int, passes: int | None = None) -> int:
 
 def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -> int:
     """Arena bytes ``PreparedBackward.grads`` carves after the records (exact: the same carves, in
-    order). Replay: h and dh of every chunk, then the segment summaries and folds. Lean: the prep
+    order). Replay: h and dh of every chunk, then the segment summaries and folds, then the split walks' hand-off
+    states (``WalkGroup.handoff_bytes``). Lean: the prep
     records, h and dh of the largest pass, then the summaries and folds."""
     if plan.num_tokens == 0 or plan.num_runs == 0:
         return 0
@@ -448,6 +451,8 @@ def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -
         n += 2 * state_bytes(st.num_sum_f, H) + state_bytes(st.num_fold_f, H)
     if st.num_sum_r:
         n += 2 * state_bytes(st.num_sum_r, H) + state_bytes(st.num_fold_r, H)
+    if passes is None and _pipeline():  # the split walks' hand-off buffers
+        n += sum(grp.handoff_bytes(H) for grp in _walk_groups(plan, H, device) or ())
     return n
 
 
@@ -558,14 +563,71 @@ def _max_walk_groups() -> int:
     return int(env_choice("KDA_KCP_BWD_WALK_GROUPS", str(MAX_WALK_GROUPS), ("2", "3", "4")))
 
 
+WALK_PIECES = 4  # launches per whole-run walk chain when the walks leave SMs to the gradient kernel (walk_pieces)
+# A reverse walk step over a forward one (session 31, H = 4: 3.70 / 2.71 ms for the 1,386 chunks of the longest run):
+# orders the pieces' gradient launches by when their chunks' h and dh are both written (nothing else depends on it)
+REV_STEP_RATIO = 1.37
+
+
+def walk_pieces(rows: int, heads: int, warps: int, sms: int) -> int:
+    """Pieces each whole-run walk chain is launched in (``WalkGroup``): WALK_PIECES when the walks' CTAs take at most
+    three quarters of the SMs (at 4 warps a (row, head) takes WALK_SMS, at 8 warps 2: one reverse and one forward CTA
+    per SM), so that the gradients of chunks both walks have passed run beside the rest of the walks; else 1 (the
+    walks fill the GPU: nothing could run beside them). ``KDA_KCP_BWD_WALK_PIECES=n`` (1..16) forces n. The pieces
+    hand their FP32 state on, so every kernel gives the unsplit walk's bits. A pure function of the shapes."""
+    forced = os.environ.get("KDA_KCP_BWD_WALK_PIECES", "").strip()
+    if forced:
+        if not forced.isdigit() or not 1 <= int(forced) <= 16:
+            raise ValueError(f"KDA_KCP_BWD_WALK_PIECES must be an integer in 1..16, got {forced!r}")
+        return int(forced)
+    demand = (WALK_SMS if warps == 4 else 2) * rows * heads
+    return WALK_PIECES if 4 * demand <= 3 * sms else 1
+
+
 class WalkGroup:
     """Runs whose walks and gradients go together: their rows of the whole-run walk tables and their chunk
-    ranges [c0, c1) of the plan's chunk table (consecutive runs merged)."""
+    ranges [c0, c1) of the plan's chunk table (consecutive runs merged). With ``pieces`` k > 1 (whole-run walks
+    only) each run's chunks are cut into k blocks (``_split``) and each chain is launched block by block: forward
+    piece j walks block j of every run of the group (rows ``fwd_pieces[j]``), the reverse chain blocks k - 1 down
+    to 0 (``rev_pieces``, in launch order). A piece starts from the state its run's previous piece left in the
+    group's hand-off buffer (row i of a piece is row i of every piece: src 1, idx i) and writes the one it leaves
+    there; the first piece of a chain starts from the run's state_in / dstate_out as a whole-run row does. The
+    gradients of block j (``blocks[j]``: chunk ranges) wait for forward piece j and the reverse piece of block j
+    only; ``grads_order`` lists the blocks by when both are expected done. k = 1: one piece, the whole-run rows."""
 
-    def __init__(self, fwalk, rwalk, ranges, device):
+    def __init__(self, fwalk, rwalk, ranges, device, pieces: int = 1):
         self.fwalk = torch.tensor(fwalk, dtype=torch.int32).reshape(-1, 4).to(device)
         self.rwalk = torch.tensor(rwalk, dtype=torch.int32).reshape(-1, 4).to(device)
         self.ranges = ranges
+        self.rows = len(fwalk)
+        self.pieces = k = max(1, min(pieces, max((row[1] for row in fwalk), default=1)))
+        if k == 1:
+            self.fwd_pieces, self.rev_pieces, self.rev_blocks = [self.fwalk], [self.rwalk], [0]
+            self.blocks, self.grads_order = [ranges], [0]
+            return
+        t = lambda rows: torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)  # noqa: E731
+        cuts = []  # per row: the (first chunk, count) of its k blocks
+        for first, count, _, _ in fwalk:
+            parts, at = [], first
+            for n in _split(count, k):
+                parts.append((at, n))
+                at += n
+            cuts.append(parts)
+        runs = [row[2] for row in fwalk]
+
+        def piece(j, opens):  # rows of block j; `opens`: the chain's first piece (the run's own state enters)
+            return t([(*cuts[i][j], runs[i], 0) if opens else (*cuts[i][j], i, 1) for i in range(len(fwalk))])
+
+        self.fwd_pieces = [piece(j, j == 0) for j in range(k)]
+        self.rev_blocks = list(range(k - 1, -1, -1))  # the reverse chain's launch order
+        self.rev_pieces = [piece(j, j == k - 1) for j in self.rev_blocks]
+        self.blocks = [coalesce_ranges(sorted((a, a + n) for a, n in (c[j] for c in cuts) if n > 0)) for j in range(k)]
+        ready = [max((j + 1) / k, REV_STEP_RATIO * (k - j) / k) for j in range(k)]
+        self.grads_order = sorted(range(k), key=lambda j: (ready[j], j))
+
+    def handoff_bytes(self, heads: int) -> int:
+        """Arena bytes of the group's hand-off buffers (one state per row each way), 0 for one piece."""
+        return 2 * state_bytes(self.rows, heads) if self.pieces > 1 else 0
 
 
 def group_runs(lengths: dict, max_groups: int) -> list:
@@ -583,10 +645,11 @@ def group_runs(lengths: dict, max_groups: int) -> list:
 
 
 def _walk_groups(plan, heads: int, device):
-    """WalkGroups of the backward walks, or None (one segment, or whole runs all alike). Whole-run walks: the
-    shortest runs' first and the longest's last. The walks of a run are serial in its chunks, so the shorter runs'
-    walks end well before the longest one's and their SMs would idle: each group's gradient kernel starts as
-    soon as its own walks end, beside the longer groups' walks. Segmented walks (all about one length): the first
+    """WalkGroups of the backward walks, or None (one segment, or whole runs all alike in one piece). Whole-run
+    walks: the shortest runs' first and the longest's last. The walks of a run are serial in its chunks, so the
+    shorter runs' walks end well before the longest one's and their SMs would idle: each group's gradient kernel
+    starts as soon as its own walks end, beside the longer groups' walks; with ``walk_pieces`` > 1 (even for one
+    group) the gradients of each block of a group's chunks start once both walks have passed it. Segmented walks (all about one length): the first
     and the second half of the chunk table, so that one half's gradients fill the SMs the walks' last wave leaves.
     Every kernel sees the same rows and chunks as unpipelined, so the results are bitwise equal. A pure function of
     the plan (cached)."""
@@ -597,15 +660,17 @@ def _walk_groups(plan, heads: int, device):
     st = _seg_tables(plan, heads, device)
     fw, rw = st.host["fwalk"], st.host["rwalk"]
 
-    def group(keep) -> WalkGroup:  # the walk rows `keep` accepts (a segment's rows of both tables go together)
+    def group(keep, pieces=1) -> WalkGroup:  # the walk rows `keep` accepts (a segment's rows of both tables go together)
         f, r = [row for row in fw if keep(row)], [row for row in rw if keep(row)]
-        return WalkGroup(f, r, coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(f)]), device)
+        return WalkGroup(f, r, coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(f)]), device,
+                         pieces)
 
     out = None
     if not (st.num_sum_f or st.num_sum_r) and fw:  # whole runs (rows carry the run id)
         runs = group_runs({row[2]: row[1] for row in fw}, _max_walk_groups())
-        if len(runs) > 1:
-            out = tuple(group(lambda row, ids=frozenset(ids): row[2] in ids) for ids in runs)
+        pieces = walk_pieces(len(fw), heads, st.walk_warps, sm_count(device))
+        if len(runs) > 1 or pieces > 1:
+            out = tuple(group(lambda row, ids=frozenset(ids): row[2] in ids, pieces) for ids in runs)
     elif len(fw) > 1:  # segments: the first half of the chunk table (whole segments), then the rest
         total, acc, firsts = sum(row[1] for row in fw), 0, set()
         for first, count, _, _ in sorted(fw):
@@ -619,38 +684,49 @@ def _walk_groups(plan, heads: int, device):
     return out
 
 
-def _pipelined_walks_and_grads(groups, launch_walks, launch_grads, device) -> None:
-    """Every group's walks, the longest group's first, each group's reverse and forward walk on two side streams
-    of its own; each shorter group's gradients on its reverse walk's stream once both its walks end; the longest
-    group's gradients on the current stream; joined at the end. On the CPU (the emulated kernels) the same
-    launches run in order."""
+def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None:
+    """Every group's walks, the longest group's first, each group's reverse and forward chain on two side streams of
+    its own at high priority, piece by piece (``WalkGroup``); the gradients of each block of a group's chunks on a
+    side stream of their own at normal priority, once the forward and the reverse piece of that block end; joined at
+    the end. High priority: a walk piece launched while gradient CTAs wait for SMs takes the next SM free instead of
+    queueing behind whole gradient launches (the walks are the critical path). On the CPU (the emulated kernels) the
+    same launches run in order."""
     if torch.device(device).type != "cuda" or not _walk_streams():
         for grp in groups[::-1]:
-            launch_walks(grp, "rev")
-            launch_walks(grp, "fwd")
+            for p in range(grp.pieces):
+                launch_walk(grp, "rev", p)
+            for p in range(grp.pieces):
+                launch_walk(grp, "fwd", p)
         for grp in groups:
-            launch_grads(grp)
+            for j in grp.grads_order:
+                launch_grads(grp.blocks[j])
         return
     main = torch.cuda.current_stream(device)
-    pool = side_streams("bwd_groups", main.device, 2 * len(groups))
-    pairs = [(pool[2 * i], pool[2 * i + 1]) for i in range(len(groups))]
-    for s in pool[: 2 * len(groups)]:
+    walk_pool = side_streams("bwd_walks", main.device, 2 * len(groups), priority=-1)
+    grads_pool = side_streams("bwd_grads", main.device, sum(grp.pieces for grp in groups))
+    for s in walk_pool + grads_pool:
         s.wait_stream(main)  # the records and buffers carved so far
-    for grp, (rev_s, fwd_s) in list(zip(groups, pairs))[::-1]:  # the longest walks first
-        with torch.cuda.stream(rev_s):
-            launch_walks(grp, "rev")
-        with torch.cuda.stream(fwd_s):
-            launch_walks(grp, "fwd")
-    for grp, (rev_s, fwd_s) in zip(groups[:-1], pairs[:-1]):
-        rev_s.wait_stream(fwd_s)
-        with torch.cuda.stream(rev_s):
-            launch_grads(grp)
-    rev_s, fwd_s = pairs[-1]
-    main.wait_stream(rev_s)
-    main.wait_stream(fwd_s)
-    launch_grads(groups[-1])
-    for rev_s, _ in pairs[:-1]:
-        main.wait_stream(rev_s)  # buffers used on the side streams are freed (or reused) on main only after this
+    done = {}  # (group, direction, block) -> the event recorded after that piece
+    for gi in reversed(range(len(groups))):  # the longest walks first
+        grp = groups[gi]
+        rev_s, fwd_s = walk_pool[2 * gi], walk_pool[2 * gi + 1]
+        for which, stream, order in (("rev", rev_s, grp.rev_blocks), ("fwd", fwd_s, range(grp.pieces))):
+            with torch.cuda.stream(stream):
+                for p, block in enumerate(order):
+                    launch_walk(grp, which, p)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    done[gi, which, block] = ev
+    streams = iter(grads_pool)
+    for gi, grp in enumerate(groups):  # the shortest group's gradients first
+        for j in grp.grads_order:
+            s = next(streams)
+            s.wait_event(done[gi, "fwd", j])
+            s.wait_event(done[gi, "rev", j])
+            with torch.cuda.stream(s):
+                launch_grads(grp.blocks[j])
+    for s in walk_pool + grads_pool:
+        main.wait_stream(s)  # buffers used on the side streams are freed (or reused) on main only after this
 
 
 class PreparedBackward:
@@ -746,11 +822,11 @@ class PreparedBackward:
 
         def fwd_chain():
             fwd_folds()
-            mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, h, st.walk_warps)
+            mod.bwd_fwd_walk(prep, chunks, st.fwalk, sin, ffold, e0, h, st.walk_warps)
 
         def rev_chain():
             rev_folds()
-            mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, dh, st.walk_warps)
+            mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, e0, dh, st.walk_warps)
 
         groups = _walk_groups(self.plan, H, self.dev) if _pipeline() else None
         if groups is None:
@@ -761,19 +837,30 @@ class PreparedBackward:
         if st.num_sum_f or st.num_sum_r:  # segmented: every segment's state before any walk
             _both_walks(rev_folds, fwd_folds, self.dev)
 
-        def launch_walks(grp, which):
-            if which == "rev":
-                mod.bwd_rev_walk(do, prep, chunks, grp.rwalk, dso, rfold, dh, st.walk_warps)
-            else:
-                mod.bwd_fwd_walk(prep, chunks, grp.fwalk, sin, ffold, h, st.walk_warps)
+        # the split walks' hand-off buffers (one state per row of a group, each way; every piece of a chain reads
+        # and writes its rows' slots in place)
+        handoff = [(arena.empty((grp.rows, H, _D, _D), torch.float32), arena.empty((grp.rows, H, _D, _D), torch.float32))
+                   if grp.pieces > 1 else (e0, e0) for grp in groups]
 
-        def launch_grads(grp):
+        def launch_walk(grp, which, p):  # piece p of a chain (in its launch order)
+            last = p == grp.pieces - 1
+            if grp.pieces == 1:
+                fold_in, out = (rfold if which == "rev" else ffold), e0
+            else:
+                buf = handoff[groups.index(grp)][0 if which == "rev" else 1]
+                fold_in, out = (e0 if p == 0 else buf), (e0 if last else buf)
+            if which == "rev":
+                mod.bwd_rev_walk(do, prep, chunks, grp.rev_pieces[p], dso, fold_in, out, dh, st.walk_warps)
+            else:
+                mod.bwd_fwd_walk(prep, chunks, grp.fwd_pieces[p], sin, fold_in, out, h, st.walk_warps)
+
+        def launch_grads(ranges):
             rec = H * PREP_BYTES
-            for c0, c1 in grp.ranges:  # views of the chunk rows, records, h and dh of one range
+            for c0, c1 in ranges:  # views of the chunk rows, records, h and dh of one range
                 mod.bwd_grads(q, k, v, g, beta, do, chunks[c0:c1], prep[c0 * rec : c1 * rec], h[c0:c1], dh[c0:c1],
                               dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
 
-        _pipelined_walks_and_grads(groups, launch_walks, launch_grads, self.dev)
+        _pipelined_walks_and_grads(groups, launch_walk, launch_grads, self.dev)
         return grads
 
 
@@ -827,8 +914,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     for p in lean:  # (each pass walks a subset of the rows at the whole table's widths: not measured per pass)
         prep, h, dh = views(p)
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
-        _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, dh, st.walk_warps),
-                    lambda: mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, h, st.walk_warps), dev)
+        _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, e0, dh, st.walk_warps),
+                    lambda: mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, e0, h, st.walk_warps), dev)
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())
 
 

@@ -7,16 +7,16 @@ int e_prep(void* q, void* k, void* v, float* g, void* beta, int32_t* chunks, int
   return launch_prep(a, nullptr);
 }
 // h, dh: split states (kda_bwd.h kSplitStateBytes)
-int e_fwd_walk(char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* sin, float* fold, char* h, int warps) {
-  Args a{}; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = runs; a.nruns = nruns; a.H = H; a.state_in = sin; a.fold = fold; a.h = h;
+int e_fwd_walk(char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* sin, float* fold, float* sout, char* h, int warps) {
+  Args a{}; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = runs; a.nruns = nruns; a.H = H; a.state_in = sin; a.fold = fold; a.walk_out = sout; a.h = h;
   return launch_fwd_walk(a, warps, nullptr);
 }
 int e_fwd_summary(char* prep, int32_t* chunks, int nchunks, int32_t* segs, int nseg, int H, float* m, float* e, int warps) {
   Args a{}; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = segs; a.nruns = nseg; a.H = H; a.m_out = m; a.e_out = e;
   return launch_fwd_summary(a, warps, nullptr);
 }
-int e_rev_walk(void* dout, char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* dso, float* fold, char* dh, int warps) {
-  Args a{}; a.dout = dout; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = runs; a.nruns = nruns; a.H = H; a.dstate_out = dso; a.fold = fold; a.dh = dh;
+int e_rev_walk(void* dout, char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* dso, float* fold, float* dsin, char* dh, int warps) {
+  Args a{}; a.dout = dout; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = runs; a.nruns = nruns; a.H = H; a.dstate_out = dso; a.fold = fold; a.walk_out = dsin; a.dh = dh;
   return launch_rev_walk(a, warps, nullptr);
 }
 int e_rev_summary(void* dout, char* prep, int32_t* chunks, int nchunks, int32_t* segs, int nseg, int H, float* mt, float* f, int warps) {

@@ -85,8 +85,8 @@ def test_stages_match_torch_stages():
         "gamma": field(131072, 512, torch.float32, (128,)),
     }
     # the walks write V_new over U and dV_new after gamma (kda_bwd.h kRecVn, kRecDvn)
-    mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, h, 8)
-    mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, dh, 8)
+    mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, e0, h, 8)
+    mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, e0, dh, 8)
     torch.cuda.synchronize()
     vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
     cs = _chunk_set(plan, range(plan.num_runs), DEV)
@@ -291,6 +291,34 @@ def test_walk_groups_bitwise(monkeypatch):
             assert torch.isfinite(a.float()).all(), (cap, name)
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: {cap} walk groups != unpipelined"
     print("walk groups 2, 3, 4: bitwise equal to the unpipelined backward")
+
+
+def test_split_walks_bitwise(monkeypatch):
+    """Whole-run walks in pieces (KDA_KCP_BWD_WALK_PIECES 4 and 7 and the automatic choice; the walk chains on
+    high-priority streams, each block's gradients on a stream of its own once both walks have passed it) against the
+    unpipelined backward (KDA_KCP_BWD_PIPELINE=0): every gradient bitwise equal, for five documents of unlike lengths
+    in 4 walk groups and for one document alone, with incoming states and outgoing gradients."""
+    gen = torch.Generator().manual_seed(SEED + 37)
+    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
+    monkeypatch.delenv("KDA_KCP_BWD_WALK_GROUPS", raising=False)
+    for cu in ([0, 250, 850, 1950, 4250, 8750], [0, 6000]):
+        inputs, do = make_inputs(cu[-1], 4, gen)
+        plan = local_plan(cu)
+        R = plan.num_runs
+        sin = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
+        dso = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
+        monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
+        plain = run_bwd(inputs, do, plan, sin, dso)
+        monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "1")
+        for pieces in ("4", "7", ""):
+            monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", pieces)
+            groups = cb._walk_groups(plan, 4, DEV)
+            assert max(grp.pieces for grp in groups) == int(pieces or cb.WALK_PIECES)
+            got = run_bwd(inputs, do, plan, sin, dso)
+            for name, a, b in zip(NAMES, got, plain):
+                assert torch.isfinite(a.float()).all(), (pieces, name)
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name}: {pieces} pieces != unpipelined"
+    print("split walks (4, 7 pieces, auto): bitwise equal to the unpipelined backward")
 
 
 def test_segment_halves_bitwise(monkeypatch):
