@@ -97,6 +97,9 @@ def main():
     p.add_argument("--host", type=float, default=None, metavar="US",
                    help="also list the host's ops and CUDA runtime calls of at least US microseconds, from the "
                         "start event's record (where the GPU waits for the host)")
+    p.add_argument("--cuda-only", action="store_true",
+                   help="trace the GPU's activity only (no host ops: tracing them slows the host's launches several "
+                        "fold, which delays every kernel of a schedule of many launches)")
     p.add_argument("--empty-cache", action="store_true",
                    help="hand the caching allocator's free blocks back to the driver after the --before ops (does "
                         "the measured step depend on where its tensors land?)")
@@ -127,7 +130,10 @@ def main():
     o = fwd() if args.op == "bwd" else None
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    if not args.cuda_only:
+        acts.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=acts) as prof:
         start.record()
         if args.op == "bwd":
             torch.autograd.grad(o, x, do)  # as the benchmark's bwd op: no .grad accumulation

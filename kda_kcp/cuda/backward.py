@@ -570,18 +570,21 @@ REV_STEP_RATIO = 1.37
 
 
 def walk_pieces(rows: int, heads: int, warps: int, sms: int) -> int:
-    """Pieces each whole-run walk chain is launched in (``WalkGroup``): WALK_PIECES when the walks' CTAs take at most
-    three quarters of the SMs (at 4 warps a (row, head) takes WALK_SMS, at 8 warps 2: one reverse and one forward CTA
-    per SM), so that the gradients of chunks both walks have passed run beside the rest of the walks; else 1 (the
-    walks fill the GPU: nothing could run beside them). ``KDA_KCP_BWD_WALK_PIECES=n`` (1..16) forces n. The pieces
-    hand their FP32 state on, so every kernel gives the unsplit walk's bits. A pure function of the shapes."""
+    """Pieces each whole-run walk chain is launched in (``WalkGroup``): WALK_PIECES when the walks' CTAs all fit on
+    the GPU at once (at 4 warps a (row, head) takes WALK_SMS SMs, at 8 warps 2: one reverse and one forward CTA per
+    SM), so that the gradients of the chunks both walks have passed run beside the rest of the walks, and each next
+    piece finds the SMs its chain's last one frees (its streams have the higher priority); else 1 (walk CTAs
+    already wait for SMs). Session 31 (bwd, the benchmark batch, det): 4 pieces against 1, 7.768 / 7.783 against
+    7.911 / 8.015 ms at H = 4 (walks at 48 of 132 SMs), 26.24 / 26.33 against 26.48 / 26.54 at H = 16 (128 of 132).
+    ``KDA_KCP_BWD_WALK_PIECES=n`` (1..16) forces n. The pieces hand their FP32 state on, so every kernel gives the
+    unsplit walk's bits. A pure function of the shapes."""
     forced = os.environ.get("KDA_KCP_BWD_WALK_PIECES", "").strip()
     if forced:
         if not forced.isdigit() or not 1 <= int(forced) <= 16:
             raise ValueError(f"KDA_KCP_BWD_WALK_PIECES must be an integer in 1..16, got {forced!r}")
         return int(forced)
     demand = (WALK_SMS if warps == 4 else 2) * rows * heads
-    return WALK_PIECES if 4 * demand <= 3 * sms else 1
+    return WALK_PIECES if demand <= sms else 1
 
 
 class WalkGroup:
@@ -593,7 +596,8 @@ class WalkGroup:
     group's hand-off buffer (row i of a piece is row i of every piece: src 1, idx i) and writes the one it leaves
     there; the first piece of a chain starts from the run's state_in / dstate_out as a whole-run row does. The
     gradients of block j (``blocks[j]``: chunk ranges) wait for forward piece j and the reverse piece of block j
-    only; ``grads_order`` lists the blocks by when both are expected done. k = 1: one piece, the whole-run rows."""
+    only; ``ready[j]`` is when both are expected done (in forward walk steps from the walks' start), ``grads_order``
+    the blocks in that order. k = 1: one piece, the whole-run rows."""
 
     def __init__(self, fwalk, rwalk, ranges, device, pieces: int = 1):
         self.fwalk = torch.tensor(fwalk, dtype=torch.int32).reshape(-1, 4).to(device)
@@ -604,6 +608,7 @@ class WalkGroup:
         if k == 1:
             self.fwd_pieces, self.rev_pieces, self.rev_blocks = [self.fwalk], [self.rwalk], [0]
             self.blocks, self.grads_order = [ranges], [0]
+            self.ready = [REV_STEP_RATIO * max((row[1] for row in fwalk), default=0)]
             return
         t = lambda rows: torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)  # noqa: E731
         cuts = []  # per row: the (first chunk, count) of its k blocks
@@ -622,8 +627,9 @@ class WalkGroup:
         self.rev_blocks = list(range(k - 1, -1, -1))  # the reverse chain's launch order
         self.rev_pieces = [piece(j, j == k - 1) for j in self.rev_blocks]
         self.blocks = [coalesce_ranges(sorted((a, a + n) for a, n in (c[j] for c in cuts) if n > 0)) for j in range(k)]
-        ready = [max((j + 1) / k, REV_STEP_RATIO * (k - j) / k) for j in range(k)]
-        self.grads_order = sorted(range(k), key=lambda j: (ready[j], j))
+        longest = max(row[1] for row in fwalk)
+        self.ready = [longest * max((j + 1) / k, REV_STEP_RATIO * (k - j) / k) for j in range(k)]  # forward steps
+        self.grads_order = sorted(range(k), key=lambda j: (self.ready[j], j))
 
     def handoff_bytes(self, heads: int) -> int:
         """Arena bytes of the group's hand-off buffers (one state per row each way), 0 for one piece."""
@@ -685,12 +691,14 @@ def _walk_groups(plan, heads: int, device):
 
 
 def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None:
-    """Every group's walks, the longest group's first, each group's reverse and forward chain on two side streams of
-    its own at high priority, piece by piece (``WalkGroup``); the gradients of each block of a group's chunks on a
-    side stream of their own at normal priority, once the forward and the reverse piece of that block end; joined at
-    the end. High priority: a walk piece launched while gradient CTAs wait for SMs takes the next SM free instead of
-    queueing behind whole gradient launches (the walks are the critical path). On the CPU (the emulated kernels) the
-    same launches run in order."""
+    """Every group's walks, each group's reverse and forward chain on two side streams of its own at high priority,
+    piece by piece (``WalkGroup``): the first piece of every chain is enqueued before any second one (the longest
+    group's first), so that no chain waits for the host to enqueue the others' later pieces; then the gradients of
+    each block of each group on a side stream of their own at normal priority, enqueued in the order their walks are
+    expected to pass them (``WalkGroup.ready``), each once the forward and the reverse piece of that block end;
+    joined at the end. High priority: a walk piece launched while gradient CTAs wait for SMs takes the next SM free
+    instead of queueing behind whole gradient launches (the walks are the critical path). On the CPU (the emulated
+    kernels) the same launches run in order."""
     if torch.device(device).type != "cuda" or not _walk_streams():
         for grp in groups[::-1]:
             for p in range(grp.pieces):
@@ -707,24 +715,23 @@ def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> Non
     for s in walk_pool + grads_pool:
         s.wait_stream(main)  # the records and buffers carved so far
     done = {}  # (group, direction, block) -> the event recorded after that piece
-    for gi in reversed(range(len(groups))):  # the longest walks first
-        grp = groups[gi]
-        rev_s, fwd_s = walk_pool[2 * gi], walk_pool[2 * gi + 1]
-        for which, stream, order in (("rev", rev_s, grp.rev_blocks), ("fwd", fwd_s, range(grp.pieces))):
-            with torch.cuda.stream(stream):
-                for p, block in enumerate(order):
+    for p in range(max(grp.pieces for grp in groups)):
+        for gi in reversed(range(len(groups))):  # the longest walks first
+            grp = groups[gi]
+            if p >= grp.pieces:
+                continue
+            for which, stream, block in (("rev", walk_pool[2 * gi], grp.rev_blocks[p]), ("fwd", walk_pool[2 * gi + 1], p)):
+                with torch.cuda.stream(stream):
                     launch_walk(grp, which, p)
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     done[gi, which, block] = ev
-    streams = iter(grads_pool)
-    for gi, grp in enumerate(groups):  # the shortest group's gradients first
-        for j in grp.grads_order:
-            s = next(streams)
-            s.wait_event(done[gi, "fwd", j])
-            s.wait_event(done[gi, "rev", j])
-            with torch.cuda.stream(s):
-                launch_grads(grp.blocks[j])
+    order = sorted(((grp.ready[j], gi, j) for gi, grp in enumerate(groups) for j in range(grp.pieces)))
+    for s, (_, gi, j) in zip(grads_pool, order):
+        s.wait_event(done[gi, "fwd", j])
+        s.wait_event(done[gi, "rev", j])
+        with torch.cuda.stream(s):
+            launch_grads(groups[gi].blocks[j])
     for s in walk_pool + grads_pool:
         main.wait_stream(s)  # buffers used on the side streams are freed (or reused) on main only after this
 
