@@ -604,11 +604,12 @@ class WalkGroup:
         self.rwalk = torch.tensor(rwalk, dtype=torch.int32).reshape(-1, 4).to(device)
         self.ranges = ranges
         self.rows = len(fwalk)
-        self.pieces = k = max(1, min(pieces, max((row[1] for row in fwalk), default=1)))
+        self.longest = max((row[1] for row in fwalk), default=0)  # chunks of the group's longest walk row
+        self.pieces = k = max(1, min(pieces, self.longest))
         if k == 1:
             self.fwd_pieces, self.rev_pieces, self.rev_blocks = [self.fwalk], [self.rwalk], [0]
             self.blocks, self.grads_order = [ranges], [0]
-            self.ready = [REV_STEP_RATIO * max((row[1] for row in fwalk), default=0)]
+            self.ready = [REV_STEP_RATIO * self.longest]
             return
         t = lambda rows: torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)  # noqa: E731
         cuts = []  # per row: the (first chunk, count) of its k blocks
@@ -627,8 +628,7 @@ class WalkGroup:
         self.rev_blocks = list(range(k - 1, -1, -1))  # the reverse chain's launch order
         self.rev_pieces = [piece(j, j == k - 1) for j in self.rev_blocks]
         self.blocks = [coalesce_ranges(sorted((a, a + n) for a, n in (c[j] for c in cuts) if n > 0)) for j in range(k)]
-        longest = max(row[1] for row in fwalk)
-        self.ready = [longest * max((j + 1) / k, REV_STEP_RATIO * (k - j) / k) for j in range(k)]  # forward steps
+        self.ready = [self.longest * max((j + 1) / k, REV_STEP_RATIO * (k - j) / k) for j in range(k)]  # fwd steps
         self.grads_order = sorted(range(k), key=lambda j: (self.ready[j], j))
 
     def handoff_bytes(self, heads: int) -> int:
@@ -692,10 +692,9 @@ def _walk_groups(plan, heads: int, device):
 
 def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None:
     """Every group's walks, each group's reverse and forward chain on two side streams of its own at high priority,
-    piece by piece (``WalkGroup``): the first piece of every chain is enqueued before any second one (the longest
-    group's first), so that no chain waits for the host to enqueue the others' later pieces; then the gradients of
-    each block of each group on a side stream of their own at normal priority, enqueued in the order their walks are
-    expected to pass them (``WalkGroup.ready``), each once the forward and the reverse piece of that block end;
+    piece by piece (``WalkGroup``), and the gradients of each block of each group on a side stream of their own at
+    normal priority, each once the forward and the reverse piece of that block end (``WalkGroup.ready``: when that
+    is expected); everything enqueued in the order it is expected to start (the longest group's first on ties);
     joined at the end. High priority: a walk piece launched while gradient CTAs wait for SMs takes the next SM free
     instead of queueing behind whole gradient launches (the walks are the critical path). On the CPU (the emulated
     kernels) the same launches run in order."""
@@ -714,24 +713,35 @@ def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> Non
     grads_pool = side_streams("bwd_grads", main.device, sum(grp.pieces for grp in groups))
     for s in walk_pool + grads_pool:
         s.wait_stream(main)  # the records and buffers carved so far
+    # every launch with the time it is expected to start (forward walk steps from the walks' start): piece p of a
+    # chain at p / k of its group's walk, a block's gradients when both its pieces end (WalkGroup.ready); enqueued in
+    # that order, walks first on ties. The host enqueues a launch in ~10-20 us and the first gradients wait for
+    # nothing else, so they should not wait behind the later pieces of every chain (each piece's dependencies, its
+    # chain's earlier pieces, start earlier and come first).
+    launches = []  # (expected start, walks before gradients, ties: longer groups' walks first, group, what, piece)
+    for gi, grp in enumerate(groups):
+        k = grp.pieces
+        for p in range(k):
+            launches.append((grp.longest * p / k, 0, -gi, gi, "fwd", p))
+            launches.append((REV_STEP_RATIO * grp.longest * p / k, 0, -gi, gi, "rev", p))
+            launches.append((grp.ready[p], 1, gi, gi, "grads", p))  # (block p)
     done = {}  # (group, direction, block) -> the event recorded after that piece
-    for p in range(max(grp.pieces for grp in groups)):
-        for gi in reversed(range(len(groups))):  # the longest walks first
-            grp = groups[gi]
-            if p >= grp.pieces:
-                continue
-            for which, stream, block in (("rev", walk_pool[2 * gi], grp.rev_blocks[p]), ("fwd", walk_pool[2 * gi + 1], p)):
-                with torch.cuda.stream(stream):
-                    launch_walk(grp, which, p)
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    done[gi, which, block] = ev
-    order = sorted(((grp.ready[j], gi, j) for gi, grp in enumerate(groups) for j in range(grp.pieces)))
-    for s, (_, gi, j) in zip(grads_pool, order):
-        s.wait_event(done[gi, "fwd", j])
-        s.wait_event(done[gi, "rev", j])
-        with torch.cuda.stream(s):
-            launch_grads(groups[gi].blocks[j])
+    streams = iter(grads_pool)
+    for *_, gi, what, p in sorted(launches):
+        grp = groups[gi]
+        if what == "grads":
+            s = next(streams)
+            s.wait_event(done[gi, "fwd", p])
+            s.wait_event(done[gi, "rev", p])
+            with torch.cuda.stream(s):
+                launch_grads(grp.blocks[p])
+            continue
+        stream = walk_pool[2 * gi + (0 if what == "rev" else 1)]
+        with torch.cuda.stream(stream):
+            launch_walk(grp, what, p)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            done[gi, what, grp.rev_blocks[p] if what == "rev" else p] = ev
     for s in walk_pool + grads_pool:
         main.wait_stream(s)  # buffers used on the side streams are freed (or reused) on main only after this
 
