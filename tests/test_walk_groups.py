@@ -125,3 +125,38 @@ def test_kcp_summary_segment_choice(monkeypatch):
     assert cb.summary_segment_chunks([658], 16, 132) < 658
     assert all(cb.summary_segment_chunks([n], h, 132) >= min(8, n) for n in (5, 300, 1386) for h in (1, 4, 64))
     assert cb.summary_segment_chunks([5], 4, 132) == 5
+
+
+def test_walk_pieces_rule_and_tables(monkeypatch):
+    """walk_pieces: 4 pieces while the walks' CTAs all fit on the GPU (the benchmark batch at H = 4 and 16, measured
+    faster there in session 31), 1 at H = 64; the knob forces a count and is checked. The pieces of a group: block j
+    of every run, the chain's first piece from the run's own state (src 0, idx = run), the others from the hand-off
+    slot of their row (src 1, idx = row); the reverse chain from the last block down; every chunk in one block."""
+    for var in ("KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_WALK_PIECES", "KDA_KCP_BWD_WALK_GROUPS"):
+        monkeypatch.delenv(var, raising=False)
+    cu = [0]
+    for n in BENCH_DOCS:
+        cu.append(cu[-1] + n)
+    plan = local_plan(cu)
+    for H, want in ((4, 4), (16, 4), (64, 1)):
+        st = cb._seg_tables(plan, H, "cpu")
+        assert cb.walk_pieces(st.fwalk.shape[0], H, st.walk_warps, 132) == want, H
+    assert cb._walk_groups(plan, 64, "cpu") is not None  # unlike lengths: groups, each of one piece
+    assert all(grp.pieces == 1 for grp in cb._walk_groups(plan, 64, "cpu"))
+    monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", "3")
+    plan = local_plan([0, 768, 1728])  # runs of 12 and 15 chunks: alike, one group
+    (grp,) = cb._walk_groups(plan, 2, "cpu")
+    assert grp.pieces == 3 and grp.rows == 2
+    rows = [p.tolist() for p in grp.fwd_pieces]
+    firsts = {r[2]: r[0] for r in rows[0]}  # run -> its first chunk row
+    assert sorted(firsts) == [0, 1] and all(r[3] == 0 for r in rows[0])
+    for j in (1, 2):
+        assert [r[2:] for r in rows[j]] == [[0, 1], [1, 1]]  # from the hand-off slot of their row
+    assert grp.rev_blocks == [2, 1, 0]
+    rev = [p.tolist() for p in grp.rev_pieces]
+    assert [r[:2] for r in rev[0]] == [r[:2] for r in rows[2]] and all(r[3] == 0 for r in rev[0])
+    assert sorted(c for j in range(3) for a, b in grp.blocks[j] for c in range(a, b)) == list(range(27))
+    assert grp.grads_order[0] == 1 and grp.handoff_bytes(2) == 2 * 2 * 2 * 128 * 128 * 4
+    monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", "0")
+    with pytest.raises(ValueError, match="KDA_KCP_BWD_WALK_PIECES"):
+        cb.walk_pieces(1, 1, 4, 132)
