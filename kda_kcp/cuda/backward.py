@@ -9,7 +9,8 @@ per (run, head) (one 8-warp CTA of all 128 value columns) writes h (the state en
 walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries (the two walks,
 with their summaries and folds, run on two streams: ``_both_walks``; whole-run walks of unlike lengths run in
 up to 4 walk groups, segmented walks in two halves of the chunk table, each group's gradients starting when its
-own walks end: ``_walk_groups``); a gradient
+own walks end: ``_walk_groups``; whole-run chains in pieces that hand their FP32 state on, each block's gradients
+starting once both walks have passed it: ``walk_pieces``, ``WalkGroup``); a gradient
 kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as bf16
 hi + lo, in the walks' register order (``hi_state_shape``, ``hi_states``, ``split_state_shape``,
 ``split_states``). Because the forward walk overwrites U,
@@ -574,8 +575,8 @@ def walk_pieces(rows: int, heads: int, warps: int, sms: int) -> int:
     the GPU at once (at 4 warps a (row, head) takes WALK_SMS SMs, at 8 warps 2: one reverse and one forward CTA per
     SM), so that the gradients of the chunks both walks have passed run beside the rest of the walks, and each next
     piece finds the SMs its chain's last one frees (its streams have the higher priority); else 1 (walk CTAs
-    already wait for SMs). Session 31 (bwd, the benchmark batch, det): 4 pieces against 1, 7.768 / 7.783 against
-    7.911 / 8.015 ms at H = 4 (walks at 48 of 132 SMs), 26.24 / 26.33 against 26.48 / 26.54 at H = 16 (128 of 132).
+    already wait for SMs). Session 31 (bwd, the benchmark batch, det): 4 pieces against 1, 7.413 / 7.398 against
+    7.776 / 7.838 ms at H = 4 (walks at 48 of 132 SMs), 26.18 / 26.23 against 26.46 ms at H = 16 (128 of 132).
     ``KDA_KCP_BWD_WALK_PIECES=n`` (1..16) forces n. The pieces hand their FP32 state on, so every kernel gives the
     unsplit walk's bits. A pure function of the shapes."""
     forced = os.environ.get("KDA_KCP_BWD_WALK_PIECES", "").strip()
@@ -655,8 +656,9 @@ def _walk_groups(plan, heads: int, device):
     walks: the shortest runs' first and the longest's last. The walks of a run are serial in its chunks, so the
     shorter runs' walks end well before the longest one's and their SMs would idle: each group's gradient kernel
     starts as soon as its own walks end, beside the longer groups' walks; with ``walk_pieces`` > 1 (even for one
-    group) the gradients of each block of a group's chunks start once both walks have passed it. Segmented walks (all about one length): the first
-    and the second half of the chunk table, so that one half's gradients fill the SMs the walks' last wave leaves.
+    group) the gradients of each block of a group's chunks start once both walks have passed it. Segmented walks
+    (all about one length): the first and the second half of the chunk table, so that one half's gradients fill
+    the SMs the walks' last wave leaves.
     Every kernel sees the same rows and chunks as unpipelined, so the results are bitwise equal. A pure function of
     the plan (cached)."""
     key = ("cuda_bwd_walk_groups", heads, str(torch.device(device))) + table_knobs()
@@ -666,7 +668,8 @@ def _walk_groups(plan, heads: int, device):
     st = _seg_tables(plan, heads, device)
     fw, rw = st.host["fwalk"], st.host["rwalk"]
 
-    def group(keep, pieces=1) -> WalkGroup:  # the walk rows `keep` accepts (a segment's rows of both tables go together)
+    def group(keep, pieces=1) -> WalkGroup:  # the walk rows `keep` accepts (a segment's rows of both tables go
+        # together)
         f, r = [row for row in fw if keep(row)], [row for row in rw if keep(row)]
         return WalkGroup(f, r, coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(f)]), device,
                          pieces)
@@ -696,7 +699,7 @@ def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> Non
     normal priority, each once the forward and the reverse piece of that block end (``WalkGroup.ready``: when that
     is expected); everything enqueued in the order it is expected to start (the longest group's first on ties);
     joined at the end. High priority: a walk piece launched while gradient CTAs wait for SMs takes the next SM free
-    instead of queueing behind whole gradient launches (the walks are the critical path). On the CPU (the emulated
+    instead of queueing behind whole gradient launches (a chain's pieces are serial). On the CPU (the emulated
     kernels) the same launches run in order."""
     if torch.device(device).type != "cuda" or not _walk_streams():
         for grp in groups[::-1]:
@@ -856,8 +859,8 @@ class PreparedBackward:
 
         # the split walks' hand-off buffers (one state per row of a group, each way; every piece of a chain reads
         # and writes its rows' slots in place)
-        handoff = [(arena.empty((grp.rows, H, _D, _D), torch.float32), arena.empty((grp.rows, H, _D, _D), torch.float32))
-                   if grp.pieces > 1 else (e0, e0) for grp in groups]
+        handoff = [tuple(arena.empty((grp.rows, H, _D, _D), torch.float32) for _ in "rf") if grp.pieces > 1 else (e0, e0)
+                   for grp in groups]
 
         def launch_walk(grp, which, p):  # piece p of a chain (in its launch order)
             last = p == grp.pieces - 1
