@@ -129,6 +129,11 @@ FOLD_STEP_COST = 1.0  # one fold step, in chunk steps
 GRAD_STEP_COST = 25.0
 
 
+def _row_table(rows, device) -> torch.Tensor:
+    """A table of 4-int rows (walk, summary or chain rows; kda_bwd.h) as int32 [n, 4] on ``device``."""
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+
+
 def _split(nchunks: int, nseg: int) -> list[int]:
     base, extra = divmod(nchunks, nseg)
     return [base + (1 if i < extra else 0) for i in range(nseg)]
@@ -278,7 +283,7 @@ class SegTables:
             lst.sort(key=lambda row: -row[1])
 
         def t(rows):
-            return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+            return _row_table(rows, device)
 
         self.seg_chunks = L
         self.host = {"fwalk": fwalk, "rwalk": rwalk, "fsum": fsum, "rsum": rsum}  # for the lean passes
@@ -341,7 +346,7 @@ class LeanPass:
         self.num_chunks = int(chunks.shape[0])
         self.chunks = chunks
         for name, lst in rows.items():
-            setattr(self, name, torch.tensor(lst, dtype=torch.int32).reshape(-1, 4).to(device))
+            setattr(self, name, _row_table(lst, device))
         self.has_summaries = bool(rows["fsum"] or rows["rsum"])
 
 
@@ -421,8 +426,8 @@ def _summary_tables(plan, run_ids, device, own_chunks: bool, heads: int = 1) -> 
             for j in reversed(range(len(parts))):  # the last segment's summary first: the chain's order
                 rows.append((starts[j], parts[j], len(rows), 0))
         ct = torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2).to(device) if own_chunks else _tables(plan, device)[0]
-        rt = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
-        ch = torch.tensor(chains, dtype=torch.int32).reshape(-1, 4).to(device) if segmented else None
+        rt = _row_table(rows, device)
+        ch = _row_table(chains, device) if segmented else None
         cache[key] = SummaryTables(ct, rt, ch)
     return cache[key]
 
@@ -597,22 +602,20 @@ class WalkGroup:
     group's hand-off buffer (row i of a piece is row i of every piece: src 1, idx i) and writes the one it leaves
     there; the first piece of a chain starts from the run's state_in / dstate_out as a whole-run row does. The
     gradients of block j (``blocks[j]``: chunk ranges) wait for forward piece j and the reverse piece of block j
-    only; ``ready[j]`` is when both are expected done (in forward walk steps from the walks' start), ``grads_order``
-    the blocks in that order. k = 1: one piece, the whole-run rows."""
+    only; ``ready[j]`` is when both are expected done (in forward walk steps from the walks' start). k = 1: one
+    piece, the whole-run (or segment) rows."""
 
     def __init__(self, fwalk, rwalk, ranges, device, pieces: int = 1):
-        self.fwalk = torch.tensor(fwalk, dtype=torch.int32).reshape(-1, 4).to(device)
-        self.rwalk = torch.tensor(rwalk, dtype=torch.int32).reshape(-1, 4).to(device)
+        self.fwalk, self.rwalk = _row_table(fwalk, device), _row_table(rwalk, device)
         self.ranges = ranges
         self.rows = len(fwalk)
         self.longest = max((row[1] for row in fwalk), default=0)  # chunks of the group's longest walk row
         self.pieces = k = max(1, min(pieces, self.longest))
         if k == 1:
             self.fwd_pieces, self.rev_pieces, self.rev_blocks = [self.fwalk], [self.rwalk], [0]
-            self.blocks, self.grads_order = [ranges], [0]
+            self.blocks = [ranges]
             self.ready = [REV_STEP_RATIO * self.longest]
             return
-        t = lambda rows: torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)  # noqa: E731
         cuts = []  # per row: the (first chunk, count) of its k blocks
         for first, count, _, _ in fwalk:
             parts, at = [], first
@@ -623,14 +626,14 @@ class WalkGroup:
         runs = [row[2] for row in fwalk]
 
         def piece(j, opens):  # rows of block j; `opens`: the chain's first piece (the run's own state enters)
-            return t([(*cuts[i][j], runs[i], 0) if opens else (*cuts[i][j], i, 1) for i in range(len(fwalk))])
+            return _row_table([(*cuts[i][j], runs[i], 0) if opens else (*cuts[i][j], i, 1) for i in range(len(fwalk))],
+                              device)
 
         self.fwd_pieces = [piece(j, j == 0) for j in range(k)]
         self.rev_blocks = list(range(k - 1, -1, -1))  # the reverse chain's launch order
         self.rev_pieces = [piece(j, j == k - 1) for j in self.rev_blocks]
         self.blocks = [coalesce_ranges(sorted((a, a + n) for a, n in (c[j] for c in cuts) if n > 0)) for j in range(k)]
         self.ready = [self.longest * max((j + 1) / k, REV_STEP_RATIO * (k - j) / k) for j in range(k)]  # fwd steps
-        self.grads_order = sorted(range(k), key=lambda j: (self.ready[j], j))
 
     def handoff_bytes(self, heads: int) -> int:
         """Arena bytes of the group's hand-off buffers (one state per row each way), 0 for one piece."""
@@ -708,8 +711,8 @@ def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> Non
             for p in range(grp.pieces):
                 launch_walk(grp, "fwd", p)
         for grp in groups:
-            for j in grp.grads_order:
-                launch_grads(grp.blocks[j])
+            for blk in grp.blocks:
+                launch_grads(blk)
         return
     main = torch.cuda.current_stream(device)
     walk_pool = side_streams("bwd_walks", main.device, 2 * len(groups), priority=-1)
@@ -859,15 +862,15 @@ class PreparedBackward:
 
         # the split walks' hand-off buffers (one state per row of a group, each way; every piece of a chain reads
         # and writes its rows' slots in place)
-        handoff = [tuple(arena.empty((grp.rows, H, _D, _D), torch.float32) for _ in "rf") if grp.pieces > 1 else (e0, e0)
-                   for grp in groups]
+        handoff = {id(grp): tuple(arena.empty((grp.rows, H, _D, _D), torch.float32) for _ in "rf")
+                   for grp in groups if grp.pieces > 1}
 
         def launch_walk(grp, which, p):  # piece p of a chain (in its launch order)
             last = p == grp.pieces - 1
             if grp.pieces == 1:
                 fold_in, out = (rfold if which == "rev" else ffold), e0
             else:
-                buf = handoff[groups.index(grp)][0 if which == "rev" else 1]
+                buf = handoff[id(grp)][0 if which == "rev" else 1]
                 fold_in, out = (e0 if p == 0 else buf), (e0 if last else buf)
             if which == "rev":
                 mod.bwd_rev_walk(do, prep, chunks, grp.rev_pieces[p], dso, fold_in, out, dh, st.walk_warps)
