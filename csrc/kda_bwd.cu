@@ -211,6 +211,28 @@ __device__ __forceinline__ void cumsum_rows(float* t, int tid) {
   __syncthreads();
 }
 
+// Which operands of the gradient kernel are carried as bf16 hi + lo (three products) instead of hi only:
+// bit 0 S in dQg and dW; bit 1 V_new, dV_new; bit 2 A; bit 3 dW, K o e^G, dA, A^T dA, dP, s dAqk;
+// bit 4 the anchored pairwise operands (Cc sections, K and Q row operands); bit 6 dS_next in dKg;
+// bit 7 dV_new in dV_new v^T and A^T dV_new (dA, dv, dbeta) when bit 1 is off.
+// (Bit 5 was S in V_new = U - W S, formed here before the walks stored V_new, always split there.)
+// Default 90 (bits 1, 3, 4, 6), chosen on the CPU emulation against the FP64 oracle and the torch backend
+// (NOTES.md, "The backward v1"): dropping bits 1, 3 or 4 raised dq/dk by ~40 % or dg ten-fold (past 1e-2),
+// dropping bit 6 tripled dk/dv errors with incoming state gradients; bits 0, 2, 5 cost nothing visible.
+// Measured on the H200 (session 14): 88 (bit 1 off) makes this kernel 6 % faster but W = 2 over NCCL then
+// disagrees with W = 1 by 2.3e-3 on dbeta (bound 2e-3) and the errors against FP64 rise to 2.4e-3 (benchmark
+// slice; FLA 3.0-3.3e-3); 216 (88 with bit 7) is that trade with dv and dbeta kept split.
+#ifndef KDA_BWD_SPLIT
+#define KDA_BWD_SPLIT 90
+#endif
+constexpr bool kSS = (KDA_BWD_SPLIT >> 0) & 1;
+constexpr bool kSV = (KDA_BWD_SPLIT >> 1) & 1;
+constexpr bool kSA = (KDA_BWD_SPLIT >> 2) & 1;
+constexpr bool kSD = (KDA_BWD_SPLIT >> 3) & 1;
+constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
+constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
+constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^T and A^T dV_new
+
 // ================================================================================================
 // prep (kda_chunk_prep.cuh, the forward's kernel shape) into the backward's record
 // ================================================================================================
@@ -223,7 +245,24 @@ struct BwdRecord {
   static __device__ __forceinline__ float* p(char* rec) { return reinterpret_cast<float*>(rec + kRecP); }
   static __device__ __forceinline__ bf16* a_hi(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAH); }
   static __device__ __forceinline__ bf16* a_lo(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAL); }
-  static __device__ __forceinline__ float* u(char* rec) { return reinterpret_cast<float*>(rec + kRecU); }
+  static constexpr bool kALo = kSA;  // A lo only where the gradient kernel reads it
+  // U pair (i, j), (i, j + 1), j even, already scaled: fp16 at row i, value half j / 64 (kda_bwd.h kRecU)
+  static __device__ __forceinline__ void u(char* rec, int i, int j, float x0, float x1) {
+    *reinterpret_cast<uint32_t*>(rec + kRecU + kURowBytes * i + 256 * (j >> 6) + 2 * (j & 63)) = pack_f16(x0, x1);
+  }
+  // The stores' scale 2^-e for a chunk-head whose max |U| is umax: umax 2^-e in [2^14, 2^15) (< fp16's 65504),
+  // e in [-114, 114] so that 2^-e and 2^e are normal FP32 (a umax below 2^-100 is as good as zero; an inf or NaN in
+  // U stays one). With `store`, 2^e goes to both halves' scale slots.
+  static __device__ __forceinline__ float u_scale(char* rec, float umax, bool store) {
+    int e = static_cast<int>((__float_as_uint(umax) >> 23) & 0xffu) - 127;  // floor(log2 umax), for a normal umax
+    e = (e < -100 ? -100 : e) - 14;  // (e <= 128: an inf or NaN umax gives 114, still in range)
+    if (store) {
+      const float4 inv = make_float4(__uint_as_float(static_cast<unsigned>(127 + e) << 23), 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(rec + kRecU + kUScaleOff) = inv;
+      *reinterpret_cast<float4*>(rec + kRecU + kUScaleOff + 256) = inv;
+    }
+    return __uint_as_float(static_cast<unsigned>(127 - e) << 23);
+  }
   static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t hi, uint32_t lo) {
     const int e = (16 * I + r) * C + 16 * J + c;
     reinterpret_cast<uint32_t*>(rec + kRecAqkH)[e / 2] = hi;
@@ -260,15 +299,16 @@ struct WalkShape {
   static_assert(NW == 4 || NW == 8, "4 or 8 walk warps");
   static constexpr int NT = NW * 32;      // threads per walk CTA
   static constexpr int COLS = 16 * NW;    // state columns per walk CTA
-  static constexpr int UL = COLS + 4;     // fp32 row stride of the U tile
+  static constexpr int UL = COLS + 8;     // fp16 row stride of the U tile (rows 2 l4 apart: 4 bank groups)
   // The state products by wgmma (sm_90a; whole warpgroups): a warpgroup's four warps read each W, Kg, Qg and Aqk
   // fragment once from shared memory instead of once per warp, and issue a 64 x N product per instruction. W, Kg
   // and Qg are then staged as two 64-key halves (swh: K-major for Kg^T and W^T, MN-major for Kg, Qg and W, as in the
   // forward's walk); mma.sync (sm_100a / sm_103a) reads them as sw128 rows.
   static constexpr bool WGMMA = KDA_HAS_WGMMA && NW % 4 == 0;
-  // forward stage: W, Kg (bf16), U tile (fp32 [64][UL]), gamma
+  // forward stage: W, Kg (bf16), U tile (fp16 [64][UL], scaled), U's scale (16 bytes: 2^e, 0, 0, 0), gamma
   static constexpr int FW_W = 0, FW_KG = 16384, FW_U = 32768;
-  static constexpr int FW_GAM = FW_U + C * UL * 4;
+  static constexpr int FW_USC = FW_U + C * UL * 2;
+  static constexpr int FW_GAM = FW_USC + 16;
   static constexpr int FW_STAGE = (FW_GAM + 512 + 1023) / 1024 * 1024;  // stage 1's tiles on 1024-byte groups
   // reverse stage: W, Kg, Qg (bf16), Aqk hi / lo (sw64), dO tile (bf16 [64][COLS], swizzled), gamma
   static constexpr int RW_W = 0, RW_KG = 16384, RW_QG = 32768, RW_AQH = 49152, RW_AQL = 57344, RW_DO = 65536;
@@ -398,9 +438,14 @@ __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, i
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::FW_W), reinterpret_cast<const bf16*>(rec + kRecW), tid);
   load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), tid);
-  if (withU)
-    load_f32<NT, C, Sh::COLS>(reinterpret_cast<float*>(st + Sh::FW_U), Sh::UL,
-                              reinterpret_cast<const float*>(rec + kRecU) + col0, D, C, tid);
+  if (withU) {  // U's rows of the CTA's value halves (kda_bwd.h kRecU): "rows" (i, half) of 128 bytes
+    constexpr int NZ = Sh::COLS / 64;
+    const char* u = rec + kRecU + 4 * col0;  // + 256 z0
+    load_rows<NT, C * NZ, 8>(reinterpret_cast<uint16_t*>(st + Sh::FW_U), Sh::UL / NZ,
+                             reinterpret_cast<const uint16_t*>(u), kURowBytes / NZ / 2, C * NZ, tid,
+                             [](int r, int c) { return (r / NZ) * Sh::UL + (r % NZ) * 64 + c; });
+    if (tid == 0) cp_async16(st + Sh::FW_USC, u + kUScaleOff, true);
+  }
   load_f32<NT, 1, D>(reinterpret_cast<float*>(st + Sh::FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
 }
 
@@ -449,7 +494,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     __syncthreads();
     const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::FW_W);
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::FW_KG);
-    const float* sU = reinterpret_cast<const float*>(st + Sh::FW_U);
+    const uint16_t* sU = reinterpret_cast<const uint16_t*>(st + Sh::FW_U);
     const float* sGam = reinterpret_cast<const float*>(st + Sh::FW_GAM);
     // h of this chunk: the state entering it
     if constexpr (!SUMMARY) {
@@ -457,10 +502,12 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     }
     // V_new^T = U^T - S^T W^T
     float VN[8][4];
+    const float uinv = withU ? *reinterpret_cast<const float*>(st + Sh::FW_USC) : 0.f;  // exact: a power of two
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) VN[nt][e] = withU ? sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)] : 0.f;
+      for (int e = 0; e < 4; ++e)
+        VN[nt][e] = withU ? f16_to_f32(sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)]) * uinv : 0.f;
     if constexpr (Sh::WGMMA) mul64_wgmma<true>(VN, ST, sW, [] {});
     else state_tile_mul<true>(VN, ST, sW, lane);
     uint32_t vh[4][4], vl[4][4];
@@ -747,27 +794,6 @@ struct GradsTiling {
   static_assert(SMEM <= 232448, "grads smem");
 };
 
-// Which operands of the gradient kernel are carried as bf16 hi + lo (three products) instead of hi only:
-// bit 0 S in dQg and dW; bit 1 V_new, dV_new; bit 2 A; bit 3 dW, K o e^G, dA, A^T dA, dP, s dAqk;
-// bit 4 the anchored pairwise operands (Cc sections, K and Q row operands); bit 6 dS_next in dKg;
-// bit 7 dV_new in dV_new v^T and A^T dV_new (dA, dv, dbeta) when bit 1 is off.
-// (Bit 5 was S in V_new = U - W S, formed here before the walks stored V_new, always split there.)
-// Default 90 (bits 1, 3, 4, 6), chosen on the CPU emulation against the FP64 oracle and the torch backend
-// (NOTES.md, "The backward v1"): dropping bits 1, 3 or 4 raised dq/dk by ~40 % or dg ten-fold (past 1e-2),
-// dropping bit 6 tripled dk/dv errors with incoming state gradients; bits 0, 2, 5 cost nothing visible.
-// Measured on the H200 (session 14): 88 (bit 1 off) makes this kernel 6 % faster but W = 2 over NCCL then
-// disagrees with W = 1 by 2.3e-3 on dbeta (bound 2e-3) and the errors against FP64 rise to 2.4e-3 (benchmark
-// slice; FLA 3.0-3.3e-3); 216 (88 with bit 7) is that trade with dv and dbeta kept split.
-#ifndef KDA_BWD_SPLIT
-#define KDA_BWD_SPLIT 90
-#endif
-constexpr bool kSS = (KDA_BWD_SPLIT >> 0) & 1;
-constexpr bool kSV = (KDA_BWD_SPLIT >> 1) & 1;
-constexpr bool kSA = (KDA_BWD_SPLIT >> 2) & 1;
-constexpr bool kSD = (KDA_BWD_SPLIT >> 3) & 1;
-constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
-constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
-constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^T and A^T dV_new
 
 // The walks' V_new^T and dV_new^T (hi, and lo where split) of value half z, from the record slots in the walks'
 // fragment order (kda_bwd.h) -> the swizzled tiles a_vn(z, .) [value column 64][token 64]: a 16-byte piece of unit

@@ -25,9 +25,10 @@ constexpr int kRecQg = 32768;     // bf16 [64][128]  s Q o exp(G)
 constexpr int kRecAqkH = 49152;   // bf16 [64][64]   Aqk (scaled, causal) hi
 constexpr int kRecAqkL = 57344;   // bf16 [64][64]   Aqk lo
 constexpr int kRecAH = 65536;     // bf16 [64][64]   A = (I + L)^-1 hi
-constexpr int kRecAL = 73728;     // bf16 [64][64]   A lo
-constexpr int kRecU = 81920;      // fp32 [64][128]  U = A diag(beta) V; the forward walk then writes V_new
-                                  // over it (kRecVn: U is read by no later kernel)
+constexpr int kRecAL = 73728;     // bf16 [64][64]   A lo: written only when the gradient kernel reads it
+                                  // (KDA_BWD_SPLIT bit 2, off by default: A hi alone is then the record's A)
+constexpr int kRecU = 81920;      // fp16 U = A diag(beta) V times 2^-e (kURow..., below); the forward walk
+                                  // then writes V_new over it (kRecVn: U is read by no later kernel)
 constexpr int kRecP = 114688;     // fp32 [64][64]   P (strictly lower part)
 constexpr int kRecGam = 131072;   // fp32 [128]      gamma = exp(G_last)
 constexpr int kRecDvn = 131584;   // dV_new, written by the reverse walk (layout of kRecVn)
@@ -42,6 +43,14 @@ constexpr int kPrepBytes = 164352;
 // 512 bytes too), so the walk CTA of one half never writes what the other half's CTA reads.
 constexpr int kRecVn = kRecU;
 constexpr int kWalkRowBytes = 512;
+// U in fp16 (16 of the slot's 32 KB: the prep writes 16 KB less and the forward walk reads 16 KB less, both bound
+// by bytes at H >= 16). Row i, value half z: 64 fp16 at byte kWalkRowBytes i + 256 z, so that half z's U lies in
+// the bytes half z's V_new overwrites (as above). Scaled per chunk-head by 2^-e, e chosen by the prep so that
+// max |U| 2^-e lies in [2^14, 2^15): fp16's 11 significant bits wherever |U| is within 2^-14 of the max, and no
+// overflow for any finite U. 2^e as fp32 at byte kUScaleOff + 256 z (a copy per half, 16 bytes: 2^e, 0, 0, 0):
+// the walk multiplies by it exactly (a power of two).
+constexpr int kURowBytes = kWalkRowBytes;
+constexpr int kUScaleOff = 128;
 
 // h and dh as the walks write them and the gradient kernel reads them: per (chunk, head) the state S[key]
 // [value] as bf16 hi + lo (64 KiB, the bytes of an FP32 state) in the walks' fragment order, so that each

@@ -414,8 +414,9 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
 //               qg_kg_piece(rec, p, qg, kg)   16-byte piece p of the staged sw128 Qg, Kg tiles (fp16)
 //               ab(rec, I, J, r, c, x)        A diag(beta) pair of lower block (I, J), fp16
 // backward only: qg(rec), kg(rec) (bf16 [64][128]), p(rec) (fp32 [64][64]), a_hi(rec), a_lo(rec)
-//               (bf16 [64][64]), u(rec) (fp32 [64][128]); P, Aqk and A in their lower 16 x 16 blocks only
-//               (kda_bwd.h)
+//               (bf16 [64][64]; a_lo written when kALo), u(rec, i, j, x0, x1) (a U pair, scaled, as fp16) and
+//               u_scale(rec, max |U|, store) (the scale for u, its inverse stored when `store`); P, Aqk and A in
+//               their lower 16 x 16 blocks only (kda_bwd.h)
 template <class Rec>
 __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* smem, int ci, int h) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -526,9 +527,9 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     if constexpr (Rec::kBwd) {
       const float a0 = (j <= i) ? sA[i * LDL + j] : 0.f, a1 = (j + 1 <= i) ? sA[i * LDL + j + 1] : 0.f;
       split2(a0, a1, hi, lo);
-      if ((j >> 4) <= (i >> 4)) {  // the lower blocks only (kda_bwd.h)
+      if ((j >> 4) <= (i >> 4)) {  // the lower blocks only (kda_bwd.h); A lo only where the gradient kernel reads it
         *reinterpret_cast<uint32_t*>(Rec::a_hi(rec) + i * C + j) = hi;
-        *reinterpret_cast<uint32_t*>(Rec::a_lo(rec) + i * C + j) = lo;
+        if constexpr (Rec::kALo) *reinterpret_cast<uint32_t*>(Rec::a_lo(rec) + i * C + j) = lo;
       }
       x0 = a0 * sBeta[j];
       x1 = a1 * sBeta[j + 1];
@@ -580,6 +581,29 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
         }
       }
     }
+    // the backward's U goes to the record in fp16 at one power-of-two scale per chunk-head (kda_bwd.h kRecU):
+    // the CTA's max |U| first (exact, so the scale and the bits do not depend on the order of the reduction)
+    float us = 1.f;
+    if constexpr (Rec::kBwd) {
+      if (which == 1) {
+        float m = 0.f;
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+          for (int n = 0; n < 4; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(acc[u][n][e]));
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float* sMax = reinterpret_cast<float*>(smem + P_TOT);  // dead since the gates' block offsets
+        if (lane == 0) sMax[warp] = m;
+        __syncthreads();
+        m = sMax[0];
+#pragma unroll
+        for (int w = 1; w < NT / 32; ++w) m = fmaxf(m, sMax[w]);
+        us = Rec::u_scale(rec, m, tid == 0);
+      }
+    }
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int m = u == 0 ? mp : 3 - mp;
@@ -593,7 +617,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
           if (which == 0) {
             Rec::w(rec, i, j, x0, x1);
           } else if constexpr (Rec::kBwd) {
-            *reinterpret_cast<float2*>(Rec::u(rec) + i * D + j) = make_float2(x0, x1);
+            Rec::u(rec, i, j, x0 * us, x1 * us);
           }
         }
     }

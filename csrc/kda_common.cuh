@@ -139,6 +139,8 @@ __device__ __forceinline__ uint32_t pack_f16(float x, float y) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(y), "f"(x));
   return r;
 }
+// An fp16 value from its bits (as a shared-memory tile of uint16_t holds it).
+__device__ __forceinline__ float f16_to_f32(uint16_t b) { return __half2float(__ushort_as_half(b)); }
 // x ~= hi + lo with both fp16 (about 22 significant bits together, fewer where lo is subnormal: |x| < 2^-3).
 __device__ __forceinline__ void split2_f16(float x, float y, uint32_t& hi, uint32_t& lo) {
   hi = pack_f16(x, y);

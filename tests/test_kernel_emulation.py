@@ -204,9 +204,10 @@ def test_records_walks_and_summaries(emu):
         return rec[:, :, off:off + nbytes].contiguous().view(dtype).reshape(nc, H, *shape).float()
 
     mine = {"W": field(0, 16384, torch.bfloat16, (64, 128)), "Kg": field(16384, 16384, torch.bfloat16, (64, 128)),
-            "U": field(81920, 32768, torch.float32, (64, 128)), "gamma": field(131072, 512, torch.float32, (128,)),
-            "A": (field(65536, 8192, torch.bfloat16, (64, 64)) + field(73728, 8192, torch.bfloat16, (64, 64)))
-            .where(cb.record_lower_blocks(), 0.0)}  # the upper blocks are not written (still the 0xFF poison)
+            "U": cb.record_u(rec), "gamma": field(131072, 512, torch.float32, (128,)),
+            # A hi (its lo is written only for a gradient kernel that reads it: KDA_BWD_SPLIT bit 2, kda_bwd.h);
+            # the upper blocks are not written (still the 0xFF poison)
+            "A": field(65536, 8192, torch.bfloat16, (64, 64)).where(cb.record_lower_blocks(), 0.0)}
     ref = {"W": W, "Kg": Kg, "U": U, "gamma": gamma, "A": A}
     for name in mine:
         e = _rel(mine[name], ref[name])
@@ -519,6 +520,53 @@ def test_forward_operand_scale(emu, monkeypatch):
         err = _rel(o3, ref)
         print(f"emulated forward, {what}: o vs FP64 {err:.2e}")
         assert err <= 4e-3
+
+
+def test_backward_u_scale(emu, monkeypatch):
+    """The backward record's U in fp16 at one power of two per chunk-head (kda_bwd.h kRecU): v times 2^-40 or
+    2^40 gives the same fp16 words under a scale 2^-40 / 2^40 apart; the gradients of v times 2^-30 are the
+    originals scaled bit for bit (dq, dk, dg, dbeta times 2^-30, dv equal); and a document of |v| ~ 1e4 beside
+    one of |v| ~ 1e-4 keeps every chunk-head's U within fp16's precision of the FP32 torch prep."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    cu = [0, 70, 200]
+    plan, inputs, do, _, _ = _case(cu, 2, 17)
+    q, k, v, g, beta = inputs
+    H = q.shape[1]
+
+    def record(vv):
+        chunks, _, prep = _prep(emu, plan, (q, k, vv, g, beta))
+        rec = prep.view(chunks.shape[0], H, cb.PREP_BYTES)
+        words = rec[:, :, cb.REC_U : cb.REC_U + 32768].reshape(*rec.shape[:2], 64, 2, 256)[..., :128]
+        scale = rec[:, :, cb.REC_U + cb.U_SCALE_OFF : cb.REC_U + cb.U_SCALE_OFF + 4].contiguous().view(torch.float32)
+        return words.clone(), scale.clone(), cb.record_u(rec)
+
+    w0, s0, _ = record(v)
+    for f in (2.0**-40, 2.0**40):
+        w1, s1, _ = record(v * f)
+        assert torch.equal(w1, w0) and torch.equal(s1, s0 * f), f
+    assert torch.equal(torch.frexp(s0).mantissa, torch.full_like(s0, 0.5)), "the scale is not a power of two"
+
+    def grads(vv):
+        return cb.PreparedBackward(q, k, vv, g, beta, do, SCALE, plan).grads()
+
+    ref, tiny = grads(v), grads(v * 2.0**-30)
+    for name, x, r in zip(NAMES, tiny, ref):
+        want = r if name == "dv" else (r.double() * 2.0**-30).to(r.dtype)
+        assert torch.equal(x, want), f"{name}: v times 2^-30 changes its bits beyond the scale"
+
+    mixed = v.clone()
+    mixed[: cu[1]] *= 1e4
+    mixed[cu[1] :] *= 1e-4
+    _, _, u = record(mixed)
+    cs = _chunk_set(plan, range(plan.num_runs), "cpu")
+    qc, kc, vc, gc = (cs.gather(x, torch.float32) for x in (q, k, mixed, g))
+    bc = cs.gather(beta.unsqueeze(-1), torch.float32).squeeze(-1)
+    incl, strict = _masks(64, "cpu")
+    U = _prep_slab(qc, kc, vc, gc, bc, SCALE, incl, strict)[6]
+    for c in range(U.shape[0]):
+        for h in range(H):
+            err = _rel(u[c, h], U[c, h])
+            assert err <= 2e-3, (c, h, err)  # fp16 rounding (2^-12) over the prep's bf16 hi + lo A
 
 
 @pytest.mark.parametrize("max_groups", ["2", "4"])

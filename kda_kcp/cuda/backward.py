@@ -39,6 +39,7 @@ __all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "rec
 
 PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
 REC_VN, REC_DVN = 81920, 131584  # byte offsets of the walks' V_new (over U) and dV_new; kda_bwd.h kRecVn, kRecDvn
+REC_U, U_SCALE_OFF = 81920, 128  # the prep's U (fp16, scaled) and its scale; kda_bwd.h kRecU, kUScaleOff
 
 
 def record_lower_blocks(device="cpu") -> torch.Tensor:
@@ -517,6 +518,17 @@ def walk_tiles(records: torch.Tensor, offset: int) -> torch.Tensor:
     x = records[:, :, offset : offset + 32768].contiguous().view(torch.bfloat16).float()
     x = x.reshape(n, H, 4, 4, 2, 2, 2, 2, 8, 4, 2).sum(7)  # [n, H, w, ks, ih, il, z, g, l, e], hi + lo
     return x.permute(0, 1, 3, 4, 8, 9, 6, 2, 5, 7).reshape(n, H, 64, _D)
+
+
+def record_u(records: torch.Tensor) -> torch.Tensor:
+    """U = A diag(beta) V as fp32 [N, H, 64, 128] from prep records [N, H, PREP_BYTES] uint8 before the forward
+    walk writes V_new over it (for tests and diagnostics). kda_bwd.h: row i, value half z as 64 fp16 at byte
+    512 i + 256 z of the slot, times the chunk-head's power of two 2^e, an fp32 at byte 128 of the slot."""
+    n, H = records.shape[:2]
+    u = records[:, :, REC_U : REC_U + 32768].reshape(n, H, 64, 2, 256)[..., :128]
+    u = u.contiguous().view(torch.float16).float().reshape(n, H, 64, _D)
+    scale = records[:, :, REC_U + U_SCALE_OFF : REC_U + U_SCALE_OFF + 4].contiguous().view(torch.float32)
+    return u * scale[..., None]
 
 
 def split_states(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct uint4 { uint32_t x, y, z, w; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct int2 { int x, y; };
 inline int2 make_int2(int a, int b) { return {a, b}; }
 template <class T> inline T __ldg(const T* p) { return *p; }
@@ -94,6 +95,7 @@ inline unsigned __vmaxu2(unsigned a, unsigned b) {
   return lo | (hi << 16);
 }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 template <class K, class A>
 inline void emu_launch(K kern, dim3 grid, int threads, int, cudaStream_t, const A& a) {
   for (unsigned z = 0; z < grid.z; ++z)

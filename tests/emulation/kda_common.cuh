@@ -135,6 +135,7 @@ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
 inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo).x, __float2bfloat16_rn(hi).x); }
 inline float2 bf2_to_f2(uint32_t w) { return make_float2(bf(w, 0), bf(w, 1)); }
 inline uint32_t pack_f16(float x, float y) { return pk(f32_to_f16_bits(x), f32_to_f16_bits(y)); }
+inline float f16_to_f32(uint16_t b) { return f16_bits_to_f32(b); }
 inline uint32_t bf16x2_to_f16x2(uint32_t w, float sc) { return pack_f16(bf(w, 0) * sc, bf(w, 1) * sc); }
 inline float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = std::fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
