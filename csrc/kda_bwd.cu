@@ -233,12 +233,28 @@ constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
 constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
 constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^T and A^T dV_new
 
+// The launch order of the prep and the gradient kernel: head-major (grid (chunks, H), a head's chunks in turn) or
+// chunk-major (a 1-D grid, the H heads of a chunk side by side: CTAs that run at once read neighbouring bytes of the
+// same token rows, and the prep writes neighbouring records, c H + h). The forward prep is chunk-major (session 24).
+#ifndef KDA_BWD_CHUNK_MAJOR
+#define KDA_BWD_CHUNK_MAJOR 0
+#endif
+constexpr bool kBwdChunkMajor = KDA_BWD_CHUNK_MAJOR != 0;
+inline dim3 prep_grid(int nchunks, int H) {  // chunk_prep::own_chunk_head's order
+  return kBwdChunkMajor ? dim3(static_cast<unsigned>(nchunks) * H) : dim3(nchunks, H);
+}
+inline dim3 grads_grid(int nchunks, int H) {  // grads_kernel's (c, h)
+  if (!kBwdChunkMajor) return dim3(nchunks, H);
+  const int ny = nchunks < 65535 ? nchunks : 65535;
+  return dim3(H, ny, (nchunks + 65534) / 65535);
+}
+
 // ================================================================================================
 // prep (kda_chunk_prep.cuh, the forward's kernel shape) into the backward's record
 // ================================================================================================
 struct BwdRecord {
   static constexpr bool kBwd = true;
-  static constexpr bool kChunkMajor = false;  // blockIdx.x = chunk, blockIdx.y = head
+  static constexpr bool kChunkMajor = kBwdChunkMajor;  // the launch order (kBwdChunkMajor, above)
   static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + kRecGam); }
   static __device__ __forceinline__ bf16* qg(char* rec) { return reinterpret_cast<bf16*>(rec + kRecQg); }
   static __device__ __forceinline__ bf16* kg(char* rec) { return reinterpret_cast<bf16*>(rec + kRecKg); }
@@ -902,7 +918,9 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   if (kGradsWgmma && (smem_u32(smem) & 1023) != 0) __trap();  // wgmma's swizzle is on address bits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int c = blockIdx.x, h = blockIdx.y, H = a.H;
+  // (chunk-major: grid (H, chunks in pieces of 65,535, pieces), so that c and h stay cheap to re-read)
+  const int c = kBwdChunkMajor ? blockIdx.y + 65535 * blockIdx.z : blockIdx.x;
+  const int h = kBwdChunkMajor ? blockIdx.x : blockIdx.y, H = a.H;
   const int64_t tok = a.chunks[2 * c];
   const int nrows = a.chunks[2 * c + 1];
   const int64_t gs = static_cast<int64_t>(H) * D;
@@ -1535,7 +1553,7 @@ cudaError_t launch_walk(const Args& a, int warps, cudaStream_t s) {
 
 cudaError_t launch_prep(const Args& a, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
-  return launch(prep_kernel, dim3(a.nchunks, a.H), chunk_prep::NT, chunk_prep::SMEM, a, s);
+  return launch(prep_kernel, prep_grid(a.nchunks, a.H), chunk_prep::NT, chunk_prep::SMEM, a, s);
 }
 cudaError_t launch_fwd_walk(const Args& a, int warps, cudaStream_t s) { return launch_walk<false, false>(a, warps, s); }
 cudaError_t launch_fwd_summary(const Args& a, int warps, cudaStream_t s) { return launch_walk<false, true>(a, warps, s); }
@@ -1544,8 +1562,8 @@ cudaError_t launch_rev_summary(const Args& a, int warps, cudaStream_t s) { retur
 cudaError_t launch_grads(const Args& a, int warps, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
   if (warps == 16)
-    return launch(grads_kernel<16>, dim3(a.nchunks, a.H), GradsTiling<16>::NTH, GradsTiling<16>::SMEM, a, s);
-  return launch(grads_kernel<8>, dim3(a.nchunks, a.H), GradsTiling<8>::NTH, GradsTiling<8>::SMEM, a, s);
+    return launch(grads_kernel<16>, grads_grid(a.nchunks, a.H), GradsTiling<16>::NTH, GradsTiling<16>::SMEM, a, s);
+  return launch(grads_kernel<8>, grads_grid(a.nchunks, a.H), GradsTiling<8>::NTH, GradsTiling<8>::SMEM, a, s);
 }
 
 }  // namespace bwd
