@@ -43,9 +43,10 @@ constexpr int kPrepBytes = 164352;
 // 512 bytes too), so the walk CTA of one half never writes what the other half's CTA reads.
 constexpr int kRecVn = kRecU;
 constexpr int kWalkRowBytes = 512;
-// U in fp16 (16 of the slot's 32 KB: the prep writes 16 KB less and the forward walk reads 16 KB less, both bound
-// by bytes at H >= 16). Row i, value half z: 64 fp16 at byte kWalkRowBytes i + 256 z, so that half z's U lies in
-// the bytes half z's V_new overwrites (as above). Scaled per chunk-head by 2^-e, e chosen by the prep so that
+// U in fp16 (16 of the slot's 32 KB: the forward walk, bound by bytes at H >= 16, reads 16 KB less, the prep writes
+// 16 KB less; U comes from bf16 V, 4 times coarser than fp16). Row i, value half z: 64 fp16 at byte kWalkRowBytes i +
+// 256 z, so that half z's U lies in the bytes half z's V_new overwrites (as above). Scaled per chunk-head by 2^-e, e
+// chosen by the prep so that
 // max |U| 2^-e lies in [2^14, 2^15): fp16's 11 significant bits wherever |U| is within 2^-14 of the max, and no
 // overflow for any finite U. 2^e as fp32 at byte kUScaleOff + 256 z (a copy per half, 16 bytes: 2^e, 0, 0, 0):
 // the walk multiplies by it exactly (a power of two).
