@@ -27,7 +27,7 @@ constexpr int kRecAqkL = 57344;   // bf16 [64][64]   Aqk lo
 constexpr int kRecAH = 65536;     // bf16 [64][64]   A = (I + L)^-1 hi
 constexpr int kRecAL = 73728;     // bf16 [64][64]   A lo: written only when the gradient kernel reads it
                                   // (KDA_BWD_SPLIT bit 2, off by default: A hi alone is then the record's A)
-constexpr int kRecU = 81920;      // fp16 U = A diag(beta) V times 2^-e (kURow..., below); the forward walk
+constexpr int kRecU = 81920;      // fp16 U = A diag(beta) V times 2^-e (kURowBytes below); the forward walk
                                   // then writes V_new over it (kRecVn: U is read by no later kernel)
 constexpr int kRecP = 114688;     // fp32 [64][64]   P (strictly lower part)
 constexpr int kRecGam = 131072;   // fp32 [128]      gamma = exp(G_last)
@@ -46,10 +46,9 @@ constexpr int kWalkRowBytes = 512;
 // U in fp16 (16 of the slot's 32 KB: the forward walk, bound by bytes at H >= 16, reads 16 KB less, the prep writes
 // 16 KB less; U comes from bf16 V, 4 times coarser than fp16). Row i, value half z: 64 fp16 at byte kWalkRowBytes i +
 // 256 z, so that half z's U lies in the bytes half z's V_new overwrites (as above). Scaled per chunk-head by 2^-e, e
-// chosen by the prep so that
-// max |U| 2^-e lies in [2^14, 2^15): fp16's 11 significant bits wherever |U| is within 2^-14 of the max, and no
-// overflow for any finite U. 2^e as fp32 at byte kUScaleOff + 256 z (a copy per half, 16 bytes: 2^e, 0, 0, 0):
-// the walk multiplies by it exactly (a power of two).
+// chosen by the prep so that max |U| 2^-e lies in [2^14, 2^15): fp16's 11 significant bits wherever |U| is within
+// 2^-14 of the max, and no overflow for any finite U. 2^e as fp32 at byte kUScaleOff + 256 z (a copy per half, 16
+// bytes: 2^e, 0, 0, 0): the walk multiplies by it exactly (a power of two).
 constexpr int kURowBytes = kWalkRowBytes;
 constexpr int kUScaleOff = 128;
 
