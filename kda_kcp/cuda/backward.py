@@ -283,13 +283,10 @@ class SegTables:
         for lst in (fwalk, rwalk, fsum, rsum):
             lst.sort(key=lambda row: -row[1])
 
-        def t(rows):
-            return _row_table(rows, device)
-
         self.seg_chunks = L
         self.host = {"fwalk": fwalk, "rwalk": rwalk, "fsum": fsum, "rsum": rsum}  # for the lean passes
-        self.fwalk, self.rwalk, self.fsum, self.rsum = t(fwalk), t(rwalk), t(fsum), t(rsum)
-        self.fchains, self.rchains = t(fch), t(rch)
+        self.fwalk, self.rwalk, self.fsum, self.rsum, self.fchains, self.rchains = (
+            _row_table(rows, device) for rows in (fwalk, rwalk, fsum, rsum, fch, rch))
         self.num_fold_f, self.num_fold_r = nf, nr
         self.num_sum_f, self.num_sum_r = len(fsum), len(rsum)
         self.walk_warps = walk_warps(WALK_SMS * len(fwalk) * heads, sms)
@@ -683,8 +680,7 @@ def _walk_groups(plan, heads: int, device):
     st = _seg_tables(plan, heads, device)
     fw, rw = st.host["fwalk"], st.host["rwalk"]
 
-    def group(keep, pieces=1) -> WalkGroup:  # the walk rows `keep` accepts (a segment's rows of both tables go
-        # together)
+    def group(keep, pieces=1) -> WalkGroup:  # the walk rows `keep` accepts (a segment's rows of both tables together)
         f, r = [row for row in fw if keep(row)], [row for row in rw if keep(row)]
         return WalkGroup(f, r, coalesce_ranges([(first, first + count) for first, count, _, _ in sorted(f)]), device,
                          pieces)
