@@ -173,43 +173,66 @@ __device__ __forceinline__ void store_row_sums(float* dst, int row0, const float
   }
 }
 
-// 2-level cumsum over the 64 rows of an fp32 [64][128] tile by the first 256 of the block's NT threads,
-// forward or reverse (every thread of the block calls it: it synchronizes). SWZ: the tile's layout (f32_at).
-template <bool REV, int NT = 256, bool SWZ = false>
-__device__ __forceinline__ void cumsum_rows(float* t, int tid) {
-  const int d = tid & 127, half = tid >> 7;
-  const bool active = NT == 256 || tid < 256;
-  auto at = [&](int r) -> float& { return t[f32_at<SWZ>(r, d)]; };
-  float run = 0.f;
-  if (active) {
-    if constexpr (!REV) {
-      for (int r = 32 * half; r < 32 * half + 32; ++r) {
-        run += at(r);
-        at(r) = run;
-      }
-    } else {
-      for (int r = 32 * half + 31; r >= 32 * half; --r) {
-        run += at(r);
-        at(r) = run;
-      }
-    }
-  }
-  __syncthreads();
-  if (active) {
-    if constexpr (!REV) {
-      if (half == 1) {
-        const float off = at(31);
-        for (int r = 32; r < 64; ++r) at(r) += off;
-      }
-    } else {
-      if (half == 0) {
-        const float off = at(32);
-        for (int r = 0; r < 32; ++r) at(r) += off;
+// Row scans of an fp32 [64][128] f32_at<true> tile (G = cumsum g; dg = the reverse cumsum of dG) in the prep's order
+// (kda_chunk_prep.cuh): each thread holds 16 rows of 512 / NT columns in registers (v, row block rq = 16-row block)
+// and scans them there; the blocks' totals meet in `tot` (fp32 [3][128]); each block then adds the totals of the blocks
+// before it (REV: after it) from the chunk's first (last) block on. So the kernel's G is the prep's G, bit for bit.
+// (A thread per column walking 32 rows, then 32 more, was a chain of dependent shared-memory round trips: ptxas cannot
+// hoist a load above the previous row's store. ~2,000 cycles a scan, twice per chunk-head, with the block waiting.)
+template <int NT>
+struct RowBlocks {
+  static constexpr int CPT = 512 / NT;  // columns per thread
+  static constexpr int TPB = D / CPT;   // threads per row block
+  static_assert(CPT == 1 || CPT == 2, "8 or 16 warps");
+  int rq, d0;  // this thread's row block and first column
+  float v[CPT][16];
+  __device__ __forceinline__ explicit RowBlocks(int tid) : rq(tid / TPB), d0((tid % TPB) * CPT) {}
+  __device__ __forceinline__ void load(const float* t) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if constexpr (CPT == 2) {
+        const float2 x = ld2_f32<true>(t, 16 * rq + i, d0);
+        v[0][i] = x.x, v[1][i] = x.y;
+      } else {
+        v[0][i] = t[f32_at<true>(16 * rq + i, d0)];
       }
     }
   }
-  __syncthreads();
-}
+  // f(row, column, value) for each element this thread holds
+  template <class F>
+  __device__ __forceinline__ void each(F&& f) const {
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) f(16 * rq + i, d0 + c, v[c][i]);
+  }
+  // the scan (synchronizes: every thread of the block calls it)
+  template <bool REV>
+  __device__ __forceinline__ void scan(float* tot) {
+#pragma unroll
+    for (int c = 0; c < CPT; ++c)
+#pragma unroll
+      for (int i = 1; i < 16; ++i) {
+        if constexpr (REV) v[c][15 - i] += v[c][16 - i];
+        else v[c][i] += v[c][i - 1];
+      }
+    if (REV ? rq > 0 : rq < 3)
+#pragma unroll
+      for (int c = 0; c < CPT; ++c) tot[(REV ? rq - 1 : rq) * D + d0 + c] = v[c][REV ? 0 : 15];
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < CPT; ++c) {
+      float o = 0.f;
+      if constexpr (REV) {
+        for (int qb = 3; qb > rq; --qb) o += tot[(qb - 1) * D + d0 + c];
+      } else {
+        for (int qb = 0; qb < rq; ++qb) o += tot[qb * D + d0 + c];
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[c][i] += o;
+    }
+  }
+};
 
 // Which operands of the gradient kernel are carried as bf16 hi + lo (three products) instead of hi only:
 // bit 0 S in dQg and dW; bit 1 V_new, dV_new; bit 2 A; bit 3 dW, K o e^G, dA, A^T dA, dP, s dAqk;
@@ -793,6 +816,7 @@ constexpr int S_DGAM = S_BETA + 256;    // fp32 [128]
 constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
 constexpr int S_DB = S_CS + 2048;       // fp32 [4 CG][64] partial row sums for dbeta
 constexpr int S_CF = S_DB + 4 * 4 * C * 4;  // fp32 [3][128] exp(G_16I - G_16(I-1)), I = 1..3: the Cc sections' step
+                                            // (B3-B4); before and after, the row scans' block totals (RowBlocks)
 static_assert(B_CCL + 160 * D * 2 <= B_G && B_CCH + 160 * D * 2 <= B_CCL, "Cc sections overflow");
 static_assert(B_P + C * kPLd * 4 <= B_SDAH, "staged P overflows");
 // z hand-over: CG x 4 NT128 x 32 floats = 4 x 16 x 32 (CG NT128 = 16 for either tiling)
@@ -1128,7 +1152,13 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
-  cumsum_rows<false, NT, true>(sG, tid);
+  {  // G = cumsum g (the block totals in S_CF, written by B3 later)
+    RowBlocks<NT> G(tid);
+    G.load(sG);
+    G.template scan<false>(reinterpret_cast<float*>(smem + S_CF));
+    G.each([&](int r, int d, float x) { sG[f32_at<true>(r, d)] = x; });
+  }
+  __syncthreads();
 
   float Rg[1][NT128][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
   // (the epilogues below read their operands in pairs: an accumulator pair is two adjacent columns)
@@ -1491,19 +1521,26 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     *reinterpret_cast<float2*>(sDG + f32_at<true>(r, cc)) = make_float2(x0, x1);  // cc even: the pair stays adjacent
   });
   __syncthreads();
-  if (tid < D) {
-    const int d = tid;
-    const float extra =
-        ((sCs[d] + sCs[D + d]) + (sCs[2 * D + d] + sCs[3 * D + d])) + sDgam[d] * fexp(sG[f32_at<true>(63, d)]);
-    sDG[f32_at<true>(63, d)] += extra;
-  }
-  __syncthreads();
-  cumsum_rows<true, NT, true>(sDG, tid);
-  {
-    constexpr int RPG = 64 / (NT / 128);  // rows per group of 128 threads
-    const int d = tid & 127, grp = tid >> 7;
-    for (int r = RPG * grp; r < RPG * grp + RPG; ++r)
-      if (r < nrows) a.dg[base + r * gs + d] = sDG[f32_at<true>(r, d)];
+  {  // dg = the reverse cumsum of dG, row 63 with the chunk's gamma terms; straight from registers to dg
+    RowBlocks<NT> R(tid);
+    R.load(sDG);
+    if (R.rq == 3) {
+#pragma unroll
+      for (int c = 0; c < RowBlocks<NT>::CPT; ++c) {
+        const int d = R.d0 + c;
+        R.v[c][15] += ((sCs[d] + sCs[D + d]) + (sCs[2 * D + d] + sCs[3 * D + d])) +
+                      sDgam[d] * fexp(sG[f32_at<true>(63, d)]);
+      }
+    }
+    R.template scan<true>(reinterpret_cast<float*>(smem + S_CF));  // (S_CF: B4's, dead)
+    float* dg = a.dg + base + 16 * R.rq * gs + R.d0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if (16 * R.rq + i < nrows) {
+        if constexpr (RowBlocks<NT>::CPT == 2) *reinterpret_cast<float2*>(dg + i * gs) = make_float2(R.v[0][i], R.v[1][i]);
+        else dg[i * gs] = R.v[0][i];
+      }
+    }
   }
   if (tid < C && tid < nrows) {
     const float* b = sDb;
