@@ -74,57 +74,96 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const uint32_t (&ah)[4
   mma_tf32(d, ah, bh0, bh1);
 }
 
-// One level of the blocked inverse on tensor cores: for I - J = LEV, A_IJ = -A_II P with P = sum_{J <= m < I} L_Im
-// A_mJ, one warp per block (warps 0 .. 3 - LEV), both products in 3xTF32 (each operand split into tf32 hi + lo by
-// truncation, lo x lo dropped: ~2^-19 relative). The FP32-FMA form it replaces spent ~600 instructions per thread on
-// shared loads and FMAs, with two barriers per level. Computed transposed, A_IJ^T = -P^T A_II^T, with the k slots of
-// every m16n8k8 permuted alike in A and B (slot t holds k = 2t, slot t + 4 holds k = 2t + 1; the sum is the same): then
-// every fragment is one conflict-free 32- or 64-bit shared load at LDL = 68, and P^T's accumulators are the second
-// product's A fragments as they stand. The blocks a level writes are read by no warp of the same level.
-template <int LEV>
-__device__ __forceinline__ void inv_level(const float* sL, float* sA, int warp, int lane) {
-  if (warp < 4 - LEV) {
-    const int J = warp, I = warp + LEV;
-    const int g = lane >> 2, t = lane & 3;
-    float p[2][4];  // P^T, n-tile nt: rows n = g, g + 8 (columns of block J), columns i = 8 nt + 2t, + 1 (rows of I)
-    zero_frags(p);
+// The blocked inverse's off-diagonal blocks on tensor cores, in two levels: A_IJ = -A_II P with
+// P = sum_{J <= m < I} L_Im A_mJ for the first subdiagonal (A_10, A_21, A_32), then A_20, A_31 the same way and A_30
+// from the 32 x 32 halves, A_30 = -(A_32 X_20 + A_33 X_30) with X_n0 = L_n0 A_00 + L_n1 A_10, so that it needs no
+// block of its own level (three levels, one warp busy in the last, took ~15 % of the prep's samples). One warp per
+// block, products in 3xTF32 (each operand split into tf32 hi + lo by truncation, lo x lo dropped: ~2^-19 relative).
+// Computed transposed, A_IJ^T = -P^T A_II^T, with the k slots of every m16n8k8 permuted alike in A and B (slot t holds
+// k = 2t, slot t + 4 holds k = 2t + 1; the sum is the same): then every fragment is one conflict-free 32- or 64-bit
+// shared load at LDL = 68, and P^T's accumulators are the second product's A fragments as they stand.
+
+// P_n^T += sum_{m in [m0, m0 + 8 KS)} A_mJ^T L_{I0 + n, m}^T for NI row blocks (they share the A fragments);
+// p[n][nt]: rows = the columns g, g + 8 of block J, columns 8 nt + 2t, + 1 = rows of block I0 + n
+template <int KS, int NI>
+__device__ __forceinline__ void inv_lsum(float (&p)[NI][2][4], const float* sL, const float* sA, int I0, int J, int m0,
+                                         int lane) {
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int ks = 0; ks < 2 * LEV; ++ks) {
-      const int m = 16 * J + 8 * ks + 2 * t;  // this thread's k slots: m, m + 1
-      uint32_t ah[4], al[4];                  // A_{m, J}^T
-      split_tf32_trunc(sA[m * LDL + 16 * J + g], ah[0], al[0]);
-      split_tf32_trunc(sA[m * LDL + 16 * J + g + 8], ah[1], al[1]);
-      split_tf32_trunc(sA[(m + 1) * LDL + 16 * J + g], ah[2], al[2]);
-      split_tf32_trunc(sA[(m + 1) * LDL + 16 * J + g + 8], ah[3], al[3]);
+  for (int ks = 0; ks < KS; ++ks) {
+    const int m = m0 + 8 * ks + 2 * t;  // this thread's k slots: m, m + 1
+    uint32_t ah[4], al[4];              // A_{m, J}^T
+    split_tf32_trunc(sA[m * LDL + 16 * J + g], ah[0], al[0]);
+    split_tf32_trunc(sA[m * LDL + 16 * J + g + 8], ah[1], al[1]);
+    split_tf32_trunc(sA[(m + 1) * LDL + 16 * J + g], ah[2], al[2]);
+    split_tf32_trunc(sA[(m + 1) * LDL + 16 * J + g + 8], ah[3], al[3]);
+#pragma unroll
+    for (int n = 0; n < NI; ++n)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {  // L_{I, m}^T
-        const float2 b = *reinterpret_cast<const float2*>(sL + (16 * I + 8 * nt + g) * LDL + m);
-        mma_3xtf32(p[nt], ah, al, b);
+        const float2 b = *reinterpret_cast<const float2*>(sL + (16 * (I0 + n) + 8 * nt + g) * LDL + m);
+        mma_3xtf32(p[n][nt], ah, al, b);
       }
-    }
-    float d[2][4];  // A_IJ^T, n-tile nt: rows n = g, g + 8, columns i = 8 nt + 2t, + 1
-    zero_frags(d);
+  }
+}
+
+// d += P^T A_IK^T, k = the rows of block K: P^T's n-tile kk is the A fragment (c0, c2, c1, c3)
+__device__ __forceinline__ void inv_rmul(float (&d)[2][4], const float (&p)[2][4], const float* sA, int I, int K, int lane) {
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {  // k = i: P^T's n-tile kk is the A fragment (c0, c2, c1, c3)
-      uint32_t ah[4], al[4];
-      split_tf32_trunc(p[kk][0], ah[0], al[0]);
-      split_tf32_trunc(p[kk][2], ah[1], al[1]);
-      split_tf32_trunc(p[kk][1], ah[2], al[2]);
-      split_tf32_trunc(p[kk][3], ah[3], al[3]);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {  // A_II^T
-        const float2 b = *reinterpret_cast<const float2*>(sA + (16 * I + 8 * nt + g) * LDL + 16 * I + 8 * kk + 2 * t);
-        mma_3xtf32(d[nt], ah, al, b);
-      }
-    }
+  for (int kk = 0; kk < 2; ++kk) {
+    uint32_t ah[4], al[4];
+    split_tf32_trunc(p[kk][0], ah[0], al[0]);
+    split_tf32_trunc(p[kk][2], ah[1], al[1]);
+    split_tf32_trunc(p[kk][1], ah[2], al[2]);
+    split_tf32_trunc(p[kk][3], ah[3], al[3]);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const int i = 16 * I + 8 * nt + 2 * t;
-      sA[i * LDL + 16 * J + g] = -d[nt][0];
-      sA[(i + 1) * LDL + 16 * J + g] = -d[nt][1];
-      sA[i * LDL + 16 * J + g + 8] = -d[nt][2];
-      sA[(i + 1) * LDL + 16 * J + g + 8] = -d[nt][3];
+      const float2 b = *reinterpret_cast<const float2*>(sA + (16 * I + 8 * nt + g) * LDL + 16 * K + 8 * kk + 2 * t);
+      mma_3xtf32(d[nt], ah, al, b);
     }
+  }
+}
+
+// A_IJ = -d (d = A_IJ^T as accumulators)
+__device__ __forceinline__ void inv_store(float* sA, const float (&d)[2][4], int I, int J, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int i = 16 * I + 8 * nt + 2 * t;
+    sA[i * LDL + 16 * J + g] = -d[nt][0];
+    sA[(i + 1) * LDL + 16 * J + g] = -d[nt][1];
+    sA[i * LDL + 16 * J + g + 8] = -d[nt][2];
+    sA[(i + 1) * LDL + 16 * J + g + 8] = -d[nt][3];
+  }
+}
+
+// The off-diagonal blocks of A = (I + L)^-1 given its diagonal blocks (warps 0 .. 2 work; two barriers). The blocks
+// a level writes are read by no warp of the same level.
+__device__ __forceinline__ void inverse_offdiag(const float* sL, float* sA, int warp, int lane) {
+  if (warp < 3) {  // A_{J+1, J}
+    const int J = warp, I = warp + 1;
+    float p[1][2][4], d[2][4];
+    zero_frags(p[0]), zero_frags(d);
+    inv_lsum<2, 1>(p, sL, sA, I, J, 16 * J, lane);
+    inv_rmul(d, p[0], sA, I, I, lane);
+    inv_store(sA, d, I, J, lane);
+  }
+  __syncthreads();
+  if (warp < 2) {  // A_20, A_31
+    const int J = warp, I = warp + 2;
+    float p[1][2][4], d[2][4];
+    zero_frags(p[0]), zero_frags(d);
+    inv_lsum<4, 1>(p, sL, sA, I, J, 16 * J, lane);
+    inv_rmul(d, p[0], sA, I, I, lane);
+    inv_store(sA, d, I, J, lane);
+  } else if (warp == 2) {  // A_30 = -(A_32 X_20 + A_33 X_30)
+    float x[2][2][4], d[2][4];
+    zero_frags(x[0]), zero_frags(x[1]), zero_frags(d);
+    inv_lsum<4, 2>(x, sL, sA, 2, 0, 0, lane);
+    inv_rmul(d, x[0], sA, 3, 2, lane);
+    inv_rmul(d, x[1], sA, 3, 3, lane);
+    inv_store(sA, d, 3, 0, lane);
   }
   __syncthreads();
 }
@@ -515,9 +554,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
                        *reinterpret_cast<const uint4*>(smem + P_KGS + p * 16));
   }
   __syncthreads();
-  inv_level<1>(sL, sA, warp, lane);
-  inv_level<2>(sL, sA, warp, lane);
-  inv_level<3>(sL, sA, warp, lane);
+  inverse_offdiag(sL, sA, warp, lane);
   // A diag(beta) as bf16 hi + lo: sw64 tiles for W below; to the record the forward's lower blocks of it,
   // the backward's A (before diag(beta)) as a whole [64][64]
   for (int e = tid; e < C * C / 2; e += NT) {
