@@ -66,7 +66,9 @@ class CudaBackend:
         return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena, checked=True, output_next=output_next)
 
     def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None) -> backward.PreparedBackward:
-        return backward.PreparedBackward(q, k, v, g, beta, do, scale, plan, arena, passes)
+        # (called from backward_kcp only: the inputs passed check_inputs in the forward, do check_grad_output, and
+        # do is bf16 and contiguous by then)
+        return backward.PreparedBackward(q, k, v, g, beta, do, scale, plan, arena, passes, checked=True)
 
     def table_knobs(self) -> tuple:
         """The environment knobs this backend's tables depend on (the forward's and the backward's): a cache of

@@ -766,21 +766,28 @@ class PreparedBackward:
     lean backward (``passes`` 1..8) preps per pass instead. Scratch comes from ``arena``
     (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve."""
 
-    def __init__(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None):
-        check_tensors("CUDA backward", q, k, v, g, beta, do)
-        self.q, self.k, self.v, self.g, self.beta, self.do = (_c(x) for x in (q, k, v, g, beta, do))
+    def __init__(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None, checked=False):
+        """``checked``: q, k, v, g, beta passed ``kda_kcp.validate.check_inputs`` for the CUDA backend in the
+        forward and ``do`` is the backward's checked, bf16, contiguous output gradient (``CudaBackend.bwd_prepare``
+        from ``backward_kcp``): then nothing is checked again before the prep's launch. That runs on autograd's
+        device thread right after it wakes, where each Python step costs several times its warm time (NOTES.md,
+        session 35: the first launch 875 us into the H = 16 backward)."""
+        if not checked:
+            check_tensors("CUDA backward", q, k, v, g, beta, do)
+            q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
+        self.q, self.k, self.v, self.g, self.beta, self.do = q, k, v, g, beta, do
         self.scale, self.plan, self.passes = float(scale), plan, passes
-        self.dev = self.q.device
-        self.H = self.q.shape[1]
+        self.dev = q.device
+        self.H = q.shape[1]
         self.arena = arena if arena is not None else Arena(None, self.dev)
-        self.active = self.q.shape[0] > 0 and plan.num_runs > 0
+        self.active = q.shape[0] > 0 and plan.num_runs > 0
         self.mod = load(self.dev) if self.active else None
-        self.e0 = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
         self.prep, self.used = None, False
         if self.active and passes is None:
             chunks, _ = _tables(plan, self.dev)
             self.prep = self.arena.empty((chunks.shape[0] * self.H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, chunks, self.prep, self.scale)
+            self.mod.bwd_prep(q, k, v, g, beta, chunks, self.prep, self.scale)
+        self.e0 = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes: no carve moves)
 
     def summaries(self, run_ids):
         """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F."""
