@@ -138,25 +138,24 @@ __device__ __forceinline__ void inv_store(float* sA, const float (&d)[2][4], int
   }
 }
 
+// A_IJ = -A_II sum_{J <= m < I} L_Im A_mJ for I = J + LEV (the blocks between them already known)
+template <int LEV>
+__device__ __forceinline__ void inv_block(const float* sL, float* sA, int J, int lane) {
+  const int I = J + LEV;
+  float p[1][2][4], d[2][4];
+  zero_frags(p[0]), zero_frags(d);
+  inv_lsum<2 * LEV, 1>(p, sL, sA, I, J, 16 * J, lane);
+  inv_rmul(d, p[0], sA, I, I, lane);
+  inv_store(sA, d, I, J, lane);
+}
+
 // The off-diagonal blocks of A = (I + L)^-1 given its diagonal blocks (warps 0 .. 2 work; two barriers). The blocks
 // a level writes are read by no warp of the same level.
 __device__ __forceinline__ void inverse_offdiag(const float* sL, float* sA, int warp, int lane) {
-  if (warp < 3) {  // A_{J+1, J}
-    const int J = warp, I = warp + 1;
-    float p[1][2][4], d[2][4];
-    zero_frags(p[0]), zero_frags(d);
-    inv_lsum<2, 1>(p, sL, sA, I, J, 16 * J, lane);
-    inv_rmul(d, p[0], sA, I, I, lane);
-    inv_store(sA, d, I, J, lane);
-  }
+  if (warp < 3) inv_block<1>(sL, sA, warp, lane);  // A_10, A_21, A_32
   __syncthreads();
-  if (warp < 2) {  // A_20, A_31
-    const int J = warp, I = warp + 2;
-    float p[1][2][4], d[2][4];
-    zero_frags(p[0]), zero_frags(d);
-    inv_lsum<4, 1>(p, sL, sA, I, J, 16 * J, lane);
-    inv_rmul(d, p[0], sA, I, I, lane);
-    inv_store(sA, d, I, J, lane);
+  if (warp < 2) {
+    inv_block<2>(sL, sA, warp, lane);  // A_20, A_31
   } else if (warp == 2) {  // A_30 = -(A_32 X_20 + A_33 X_30)
     float x[2][2][4], d[2][4];
     zero_frags(x[0]), zero_frags(x[1]), zero_frags(d);
