@@ -364,33 +364,54 @@ __device__ __forceinline__ void load_walk_operand(bf16* dst, const bf16* src, in
   else load_bf16<128, NT>(dst, src, D, C, tid);
 }
 
-// One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk) for token step ks, as the
-// split A fragments hi / lo, into its half of a record slot (kRecVn / kRecDvn layout; `half` = the slot +
-// 256 z bytes): each store writes the warp's 32 words contiguously. The gradient kernel loads them
-// (load_walk_tiles) instead of recomputing both products. Pinned stores (st_global_pinned): plain ones,
-// sunk by the compiler, keep hi / lo live, and the reverse walk then spills 120 bytes instead of 4.
-__device__ __forceinline__ void store_half_frag(char* half, const uint32_t (&hi)[4], const uint32_t (&lo)[4], int warp,
-                                                int ks, int lane) {
-  char* row0 = half + (16 * warp + 4 * ks) * kWalkRowBytes + 4 * lane;  // rows + i: offsets in the instructions
-  static_for<4>([&](auto u) {
-    constexpr int i = decltype(u)::value;
-    st_global_pinned_at<i * kWalkRowBytes>(row0, hi[i]);
-    st_global_pinned_at<i * kWalkRowBytes + 128>(row0, lo[i]);
-  });
+// The power of two sc with m sc in [2^14, 2^15) for a finite m > 0 (1 for m = 0): values up to m stored as fp16 times
+// sc keep fp16's 11 significant bits down to 2^-14 of m and cannot overflow (kda_bwd.h, V_new, dV_new and dh).
+__device__ __forceinline__ float store_scale(float m) {
+  if (!(m > 0.f)) return 1.f;
+  const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 127;  // floor(log2 m) for a normal m
+  const int k = 14 - e < -126 ? -126 : (14 - e > 127 ? 127 : 14 - e);
+  return __uint_as_float(static_cast<uint32_t>(k + 127) << 23);
 }
-// h or dh of one chunk-head, value half z (`half` = the chunk-head's state + its half's offset): the warp's 16
-// value columns x 128 keys as bf16 hi (+ lo when LO) pairs of adjacent keys, each store 128 contiguous bytes
-// (kda_bwd.h: h is hi only, dh hi + lo). The gradient kernel reads them with stage_states.
-template <bool LO>
-__device__ __forceinline__ void store_state(char* half, const float (&ST)[16][4], int warp, int lane) {
-  char* row0 = half + 32 * warp * (LO ? 256 : 128) + 4 * lane;  // rows 32 warp + u, u = 2 nt + eh
-  static_for<32>([&](auto u) {
-    constexpr int nt = decltype(u)::value / 2, eh = decltype(u)::value % 2, off = decltype(u)::value * (LO ? 256 : 128);
-    uint32_t hi, lo;
-    split2(ST[nt][2 * eh], ST[nt][2 * eh + 1], hi, lo);
-    st_global_pinned_at<off>(row0, hi);
-    if constexpr (LO) st_global_pinned_at<off + 128>(row0, lo);
+// the largest |x| of a warp's accumulator tiles (four independent chains, then the lanes)
+template <int N>
+__device__ __forceinline__ float frag_absmax(const float (&t)[N][4]) {
+  float m[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) m[e] = fmaxf(m[e], fabsf(t[n][e]));
+  return warp_max(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])));
+}
+
+// One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk; t = its accumulators, token step ks in
+// t[2 ks], t[2 ks + 1]) as fp16 A-fragment words at the warp's power of two, into its half of a record slot (kRecVn /
+// kRecDvn layout, kda_bwd.h; `half` = the slot + 256 z bytes): each store writes the warp's 32 words contiguously.
+// The gradient kernel loads them (stage_states) instead of recomputing both products. Pinned stores
+// (st_global_pinned): plain ones, sunk by the compiler, keep the words live (the reverse walk spilled 120 bytes
+// instead of 4 with plain stores of the hi + lo words).
+__device__ __forceinline__ void store_half_f16(char* half, const float (&t)[8][4], int warp, int lane) {
+  const float sc = store_scale(frag_absmax(t));
+  char* row0 = half + 16 * warp * kWalkRowBytes + 4 * lane;  // rows 16 warp + 4 ks + i: offsets in the instructions
+  static_for<16>([&](auto u) {
+    constexpr int ks = decltype(u)::value / 4, i = decltype(u)::value % 4;
+    const float(&x)[4] = t[2 * ks + (i >> 1)];
+    st_global_pinned_at<(4 * ks + i) * kWalkRowBytes>(row0, pack_f16(x[2 * (i & 1)] * sc, x[2 * (i & 1) + 1] * sc));
   });
+  if (lane == 0) *reinterpret_cast<float*>(half + kVnScaleOff + 4 * warp) = 1.f / sc;  // exact: a power of two
+}
+// h (hi only: bf16, !F16) or dh (F16: fp16 at the warp's power of two, its inverse to *scale) of one chunk-head, value
+// half z (`half` = the chunk-head's state + its half's offset): the warp's 16 value columns x 128 keys as words of
+// adjacent keys, each store 128 contiguous bytes (kda_bwd.h). The gradient kernel reads them with stage_states.
+template <bool F16>
+__device__ __forceinline__ void store_state(char* half, float* scale, const float (&ST)[16][4], int warp, int lane) {
+  const float sc = F16 ? store_scale(frag_absmax(ST)) : 1.f;
+  char* row0 = half + 32 * warp * 128 + 4 * lane;  // rows 32 warp + u, u = 2 nt + eh
+  static_for<32>([&](auto u) {
+    constexpr int nt = decltype(u)::value / 2, eh = decltype(u)::value % 2, off = decltype(u)::value * 128;
+    const float x0 = ST[nt][2 * eh], x1 = ST[nt][2 * eh + 1];
+    st_global_pinned_at<off>(row0, F16 ? pack_f16(x0 * sc, x1 * sc) : pack_bf16(x0, x1));
+  });
+  if (F16 && lane == 0) scale[warp] = 1.f / sc;
 }
 // chunk-head c, h of a state array of `bytes` per chunk-head whose value halves are `half_bytes` apart
 __device__ __forceinline__ char* state_half(char* base, int c, int h, int H, int col0, int bytes, int half_bytes) {
@@ -416,9 +437,14 @@ __device__ __forceinline__ void decay_state(float (&ST)[16][4], const float* sGa
 // acc (this warp's 16 value columns x 64 tokens) += (-1)^NEG S^T B^T by wgmma, after the products `pre` issues into
 // the same commit group: S^T from the state's accumulators as hi + lo A operands (eight 16-key steps), B = W or Kg of
 // a stage, bf16 [64 tokens][128 keys] as swh, read K-major (rows = N = tokens). The wgmma form of state_tile_mul;
-// A registers that `pre` reads stay the caller's to fence after.
-template <bool NEG, class Pre>
-__device__ __forceinline__ void mul64_wgmma(float (&acc)[8][4], const float (&ST)[16][4], const bf16* B, Pre&& pre) {
+// A registers that `pre` reads stay the caller's to fence after. `post` runs while the products are in flight (stores
+// of registers the products do not touch: they leave the step's critical path).
+struct NoWork {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <bool NEG, class Pre, class Post = NoWork>
+__device__ __forceinline__ void mul64_wgmma(float (&acc)[8][4], const float (&ST)[16][4], const bf16* B, Pre&& pre,
+                                            Post&& post = Post{}) {
   uint32_t sh[8][4], sl[8][4];
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
@@ -436,6 +462,7 @@ __device__ __forceinline__ void mul64_wgmma(float (&acc)[8][4], const float (&ST
     if constexpr (kWalkSLo) wgmma_n64_rs(acc, sl[ks], db + k);
   }
   wgmma_commit();
+  post();
   wgmma_wait0();
   fence_frags(acc);
   fence_frags(sh);
@@ -445,10 +472,11 @@ __device__ __forceinline__ void mul64_wgmma(float (&acc)[8][4], const float (&ST
 // ST += V^T B (hi + lo of V^T, four 16-token steps) by wgmma, after the products `pre` issues into the same
 // commit group: B = Kg or W of a stage, bf16 [64 tokens][128 keys] as swh, read MN-major (rows = K = tokens, the two
 // 64-key halves of N 8192 bytes apart). V^T's lo enters unless KDA_WALK_HI_ONLY or KDA_WALK_VN_HI_ONLY (as in the
-// mma.sync path's state_tile_rank16). A registers that `pre` reads stay the caller's to fence after.
-template <class Pre>
+// mma.sync path's state_tile_rank16). A registers that `pre` reads stay the caller's to fence after; `post` as in
+// mul64_wgmma.
+template <class Pre, class Post = NoWork>
 __device__ __forceinline__ void rank64_wgmma(float (&ST)[16][4], uint32_t (&vh)[4][4], uint32_t (&vl)[4][4],
-                                             const bf16* B, Pre&& pre) {
+                                             const bf16* B, Pre&& pre, Post&& post = Post{}) {
   constexpr bool LO = !KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY;
   fence_frags(ST);
   fence_frags(vh);
@@ -462,6 +490,7 @@ __device__ __forceinline__ void rank64_wgmma(float (&ST)[16][4], uint32_t (&vh)[
     if constexpr (LO) wgmma_n128_rs_mn(ST, vl[ks], db + ks * (2048 >> 4));
   }
   wgmma_commit();
+  post();
   wgmma_wait0();
   fence_frags(ST);
   fence_frags(vh);
@@ -536,10 +565,13 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::FW_KG);
     const uint16_t* sU = reinterpret_cast<const uint16_t*>(st + Sh::FW_U);
     const float* sGam = reinterpret_cast<const float*>(st + Sh::FW_GAM);
-    // h of this chunk: the state entering it
-    if constexpr (!SUMMARY) {
-      store_state<false>(state_half(a.h, first + j, h, H, vcol & 64, kHiStateBytes, kHiHalfBytes), ST, warp & 3, lane);
-    }
+    // h of this chunk (the state entering it), stored while V_new's product runs
+    auto store_h = [&] {
+      if constexpr (!SUMMARY) {
+        store_state<false>(state_half(a.h, first + j, h, H, vcol & 64, kHiStateBytes, kHiHalfBytes), nullptr, ST,
+                           warp & 3, lane);
+      }
+    };
     // V_new^T = U^T - S^T W^T
     float VN[8][4];
     const float uinv = withU ? *reinterpret_cast<const float*>(st + Sh::FW_USC) : 0.f;  // exact: a power of two
@@ -548,21 +580,25 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         VN[nt][e] = withU ? f16_to_f32(sU[(nt * 8 + 2 * l4 + (e & 1)) * WUL + vloc + g4 + 8 * (e >> 1)]) * uinv : 0.f;
-    if constexpr (Sh::WGMMA) mul64_wgmma<true>(VN, ST, sW, [] {});
-    else state_tile_mul<true>(VN, ST, sW, lane);
+    if constexpr (Sh::WGMMA) {
+      mul64_wgmma<true>(VN, ST, sW, [] {}, store_h);
+    } else {
+      store_h();
+      state_tile_mul<true>(VN, ST, sW, lane);
+    }
     uint32_t vh[4][4], vl[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) split_afrag(VN[2 * ks], VN[2 * ks + 1], vh[ks], vl[ks]);
-    if constexpr (!SUMMARY) {  // V_new over this chunk's U (read above, from the stage)
-      char* vn = half_slot(a, first + j, h, kRecVn, vcol & 64);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) store_half_frag(vn, vh[ks], vl[ks], warp & 3, ks, lane);
-    }
+    // V_new over this chunk's U (read above, from the stage), while the state update runs
+    auto store_vn = [&] {
+      if constexpr (!SUMMARY) store_half_f16(half_slot(a, first + j, h, kRecVn, vcol & 64), VN, warp & 3, lane);
+    };
     // S^T = S^T Diag(gamma) + V_new^T Kg
     decay_state(ST, sGam, l4);
     if constexpr (Sh::WGMMA) {
-      rank64_wgmma(ST, vh, vl, sKg, [] {});
+      rank64_wgmma(ST, vh, vl, sKg, [] {}, store_vn);
     } else {
+      store_vn();
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
     }
@@ -646,9 +682,18 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
     const bf16* sAql = reinterpret_cast<const bf16*>(st + Sh::RW_AQL);
     const bf16* sDO = reinterpret_cast<const bf16*>(st + Sh::RW_DO);
     const float* sGam = reinterpret_cast<const float*>(st + Sh::RW_GAM);
-    if constexpr (!SUMMARY) {
-      store_state<true>(state_half(a.dh, first + j, h, H, vcol & 64, kSplitStateBytes, kSplitHalfBytes), ST, warp & 3, lane);
-    }
+    // dh of this chunk (the gradient of the state leaving it), stored while dV_new's products run
+    auto store_dh = [&] {
+      if constexpr (!SUMMARY) {
+        char* dh = a.dh + (static_cast<int64_t>(first + j) * H + h) * kDhStateBytes;
+        store_state<true>(dh + kDhHalfBytes * (vcol / 64), reinterpret_cast<float*>(dh + kDhScaleOff + 16 * (vcol / 64)),
+                          ST, warp & 3, lane);
+      }
+    };
+    // dV_new for the gradient kernel, stored while dS's update runs
+    auto store_dvn = [&](const float (&dv)[8][4]) {
+      if constexpr (!SUMMARY) store_half_f16(half_slot(a, first + j, h, kRecDvn, vcol & 64), dv, warp & 3, lane);
+    };
     // dV_new^T = dO^T Aqk + dS^T Kg^T
     float DV[8][4];
     zero_frags(DV);
@@ -668,9 +713,10 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
             wgmma_n64_rs_mn(DV, ado[ks], dal + ks * (2048 >> 4));
           }
         }
-      });
+      }, store_dh);
       fence_frags(ado);
     } else {
+      store_dh();
       if (withF) {
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
@@ -689,15 +735,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
         }
       }
       state_tile_mul<false>(DV, ST, sKg, lane);
-    }
-    if constexpr (!SUMMARY) {  // dV_new for the gradient kernel (split again below: fewer live registers)
-      char* dvn = half_slot(a, first + j, h, kRecDvn, vcol & 64);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        uint32_t vh[4], vl[4];
-        split_afrag(DV[2 * ks], DV[2 * ks + 1], vh, vl);
-        store_half_frag(dvn, vh, vl, warp & 3, ks, lane);
-      }
+      store_dvn(DV);
     }
     // dS^T = dS^T Diag(gamma) + s dO^T Qg - dV_new^T W
     decay_state(ST, sGam, l4);
@@ -714,7 +752,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) wgmma_n128_rs_mn(ST, ado[ks], dq + ks * (2048 >> 4));
         }
-      });
+      }, [&] { store_dvn(DV); });
       fence_frags(ado);
     } else {
       if (withF) {
@@ -836,61 +874,85 @@ struct GradsTiling {
 };
 
 
-// The walks' V_new^T and dV_new^T (hi, and lo where split) of value half z, from the record slots in the walks'
-// fragment order (kda_bwd.h) -> the swizzled tiles a_vn(z, .) [value column 64][token 64]: a 16-byte piece of unit
-// row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column. Piece p = tid + NT k sits at the same
-// place in every tile, so a thread's offsets are computed once for the half's tiles (one generic loop per tile was
-// 22 % of this kernel's static instructions, NOTES.md session 27). One call per half: the kernel requests half 1's
-// tiles in a cp.async group of their own, so that half 0's products do not wait for them.
-template <int NT>
-__device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int z, int tid) {
-  static_assert((C * 8) % NT == 0, "whole pieces per thread");
-#pragma unroll
-  for (int k = 0; k < C * 8 / NT; ++k) {
-    const int p = tid + NT * k, R = p >> 3, g4 = p & 7;
-    const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
-    const int so = 2 * sw64(16 * w + g4 + 8 * (i & 1), 16 * ks + 8 * (i >> 1));  // bytes
-    const char* src = rec + R * kWalkRowBytes + 16 * g4 + 256 * z;  // hi at byte 256 z of the row, lo 128 bytes later
-    cp_async16(smem + a_vn(z, kVNH) + so, src + kRecVn, true);
-    if (kSV) cp_async16(smem + a_vn(z, kVNL) + so, src + kRecVn + 128, true);
-    cp_async16(smem + a_vn(z, kDVH) + so, src + kRecDvn, true);
-    if (kSVB) cp_async16(smem + a_vn(z, kDVL) + so, src + kRecDvn + 128, true);
-  }
-}
-
-// Value half z of S (hi, from h) and dS (hi + lo, from dh) (kda_bwd.h) into the swh tiles S^T, dS^T [value
-// column 64][key 128], through registers: a 16-byte piece holds 8 adjacent keys of one value column, copied as
-// is (no conversion), and its S o dS products go into the thread's dgamma partials of those keys. Every piece a
-// thread moves has key block nt = (tid / 16) % 16: its 8 partials (summed over both halves) stay in shared
-// memory at `mine` (registers are short during the products that follow).
+// Value half z of the walks' outputs into phase A's tiles, through registers (each piece converted on its way):
+//  - S (hi, from h) and dS (from dh: fp16 times the walk warp's 2^e, kda_bwd.h) into the swh tiles S^T, dS^T [value
+//    column 64][key 128] (dS as bf16 hi + lo: exact, an fp16 value has 11 significant bits): a 16-byte piece holds 8
+//    adjacent keys of one value column, and its S o dS products go into the thread's dgamma partials of those keys.
+//    Every piece a thread moves has key block nt = (tid / 16) % 16: its 8 partials (summed over both halves) stay in
+//    shared memory at `mine` (registers are short during the products that follow);
+//  - V_new^T and dV_new^T (fp16 times 2^e, record slots kRecVn / kRecDvn) into the sw64 tiles a_vn(z, .) [value column
+//    64][token 64] as bf16 hi (+ lo where split: kSV, kSVB): a 16-byte piece of unit row R holds lanes 4 g4 .. 4 g4 + 3,
+//    i.e. 8 consecutive tokens of one column.
+// Every load is issued before the first conversion, so their latencies overlap.
 static_assert(!kSS, "h holds S as hi only: the products take S hi (KDA_BWD_SPLIT bit 0 off)");
+// an fp16 pair times inv (a power of two) as bf16 hi + lo words: exact
+__device__ __forceinline__ void f16x2_split(uint32_t w, float inv, uint32_t& hi, uint32_t& lo, float2& x) {
+  x = make_float2(f16_to_f32(static_cast<uint16_t>(w & 0xffffu)) * inv, f16_to_f32(static_cast<uint16_t>(w >> 16)) * inv);
+  split2(x.x, x.y, hi, lo);
+}
 template <int NT>
-__device__ __forceinline__ void stage_states(char* smem, const char* S, const char* dS, int z, int tid, float* mine) {
-  static_assert((C * 16) % NT == 0, "whole pieces per thread");
+__device__ __forceinline__ void stage_states(char* smem, const char* S, const char* dS, const char* rec, int z, int tid,
+                                             float* mine) {
+  constexpr int KS = C * 16 / NT, KV = C * 8 / NT;  // pieces per thread: states, walk tiles
+  static_assert(KS * NT == C * 16 && KV * NT == C * 8, "whole pieces per thread");
+  uint4 sh[KS], dh[KS], vn[KV], dvn[KV];
+  float dinv[KS], vinv[KV], dvinv[KV];
+#pragma unroll
+  for (int k = 0; k < KS; ++k) {
+    const int p = tid + k * NT, u = p >> 3, g4 = p & 7, w = u >> 5;
+    const int off = kHiHalfBytes * z + u * 128 + 16 * g4;  // h and dh share the order (row u = 2 (16 w + nt) + eh)
+    sh[k] = *reinterpret_cast<const uint4*>(S + off);
+    dh[k] = *reinterpret_cast<const uint4*>(dS + off);
+    dinv[k] = *reinterpret_cast<const float*>(dS + kDhScaleOff + 16 * z + 4 * w);
+  }
+#pragma unroll
+  for (int k = 0; k < KV; ++k) {
+    const int p = tid + NT * k, R = p >> 3, g4 = p & 7, w = R >> 4;
+    const char* src = rec + R * kWalkRowBytes + 16 * g4 + 256 * z;
+    vn[k] = *reinterpret_cast<const uint4*>(src + kRecVn);
+    dvn[k] = *reinterpret_cast<const uint4*>(src + kRecDvn);
+    vinv[k] = *reinterpret_cast<const float*>(rec + kRecVn + kVnScaleOff + 256 * z + 4 * w);
+    dvinv[k] = *reinterpret_cast<const float*>(rec + kRecDvn + kVnScaleOff + 256 * z + 4 * w);
+  }
   float dg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-  for (int k = 0; k < C * 16 / NT; ++k) {
+  for (int k = 0; k < KS; ++k) {
     const int p = tid + k * NT, u = p >> 3, g4 = p & 7;
     const int w = u >> 5, nt = (u >> 1) & 15, eh = u & 1;
-    const int row = 2 * (16 * w + nt) + eh;
-    const uint4 sh = *reinterpret_cast<const uint4*>(S + kHiHalfBytes * z + row * 128 + 16 * g4);
-    const int off = kSplitHalfBytes * z + row * 256 + 16 * g4;
-    const uint4 th = *reinterpret_cast<const uint4*>(dS + off), tl = *reinterpret_cast<const uint4*>(dS + off + 128);
     const int so = 2 * swh(16 * w + g4 + 8 * eh, 8 * nt);  // bytes
-    *reinterpret_cast<uint4*>(smem + A_SH + so) = sh;
-    *reinterpret_cast<uint4*>(smem + A_DH + so) = th;
-    *reinterpret_cast<uint4*>(smem + A_DL + so) = tl;
-    const uint32_t a[4] = {sh.x, sh.y, sh.z, sh.w};
-    const uint32_t c[4] = {th.x, th.y, th.z, th.w}, d[4] = {tl.x, tl.y, tl.z, tl.w};
+    const uint32_t a[4] = {sh[k].x, sh[k].y, sh[k].z, sh[k].w}, d[4] = {dh[k].x, dh[k].y, dh[k].z, dh[k].w};
+    uint32_t th[4], tl[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 s0 = bf2_to_f2(a[i]), t0 = bf2_to_f2(c[i]), t1 = bf2_to_f2(d[i]);
-      dg[2 * i] = fmaf(s0.x, t0.x + t1.x, dg[2 * i]);
-      dg[2 * i + 1] = fmaf(s0.y, t0.y + t1.y, dg[2 * i + 1]);
+      float2 t;
+      f16x2_split(d[i], dinv[k], th[i], tl[i], t);
+      const float2 s0 = bf2_to_f2(a[i]);
+      dg[2 * i] = fmaf(s0.x, t.x, dg[2 * i]);
+      dg[2 * i + 1] = fmaf(s0.y, t.y, dg[2 * i + 1]);
     }
+    *reinterpret_cast<uint4*>(smem + A_SH + so) = sh[k];
+    *reinterpret_cast<uint4*>(smem + A_DH + so) = make_uint4(th[0], th[1], th[2], th[3]);
+    *reinterpret_cast<uint4*>(smem + A_DL + so) = make_uint4(tl[0], tl[1], tl[2], tl[3]);
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) mine[i] = z == 0 ? dg[i] : mine[i] + dg[i];
+#pragma unroll
+  for (int k = 0; k < KV; ++k) {
+    const int p = tid + NT * k, R = p >> 3, g4 = p & 7;
+    const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
+    const int so = 2 * sw64(16 * w + g4 + 8 * (i & 1), 16 * ks + 8 * (i >> 1));  // bytes
+    auto put = [&](const uint4& x, float inv, int hi_tile, int lo_tile, bool split) {
+      const uint32_t v[4] = {x.x, x.y, x.z, x.w};
+      uint32_t hi[4], lo[4];
+      float2 t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f16x2_split(v[e], inv, hi[e], lo[e], t);
+      *reinterpret_cast<uint4*>(smem + a_vn(z, hi_tile) + so) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      if (split) *reinterpret_cast<uint4*>(smem + a_vn(z, lo_tile) + so) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    };
+    put(vn[k], vinv[k], kVNH, kVNL, kSV);
+    put(dvn[k], dvinv[k], kDVH, kDVL, kSVB);
+  }
 }
 
 // The products of phase A, B2, B3 and B4' by wgmma on sm_90a (both operands from shared memory). B2, B3 (and phase A
@@ -953,7 +1015,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   const char* rec = a.prep + (static_cast<int64_t>(c) * H + h) * kPrepBytes;
   const float* gP = reinterpret_cast<const float*>(rec + kRecP);
   const char* Sg = a.h + (static_cast<int64_t>(c) * H + h) * kHiStateBytes;
-  const char* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * kSplitStateBytes;
+  const char* dSg = a.dh + (static_cast<int64_t>(c) * H + h) * kDhStateBytes;
 
   auto B16 = [&](int off) { return reinterpret_cast<bf16*>(smem + off); };
   float* sBeta = reinterpret_cast<float*>(smem + S_BETA);
@@ -969,11 +1031,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   // ---- phase A loads ----
   load_bf16_swh<NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, nrows, tid);
   load_bf16_swh<NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
-  load_walk_tiles<NT>(smem, rec, 0, tid);
   load_lower_bf16<NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), tid);
   if (kSA) load_lower_bf16<NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), tid);
-  cp_async_commit();
-  load_walk_tiles<NT>(smem, rec, 1, tid);  // a group of its own: half 0 waits for the first group only
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
@@ -1008,9 +1067,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     const int wg = cg;  // the warpgroup
     for (int vh = 0; vh < 2; ++vh) {
       const int voff = 64 * vh;
-      stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
-      if (vh == 0) cp_async_wait1();
-      else cp_async_wait_all();
+      stage_states<NT>(smem, Sg, dSg, rec, vh, tid, dgp + 8 * tid);
+      if (vh == 0) cp_async_wait_all();
       fence_async_smem();
       __syncthreads();
       const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
@@ -1056,9 +1114,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     for (int vh = 0; vh < 2; ++vh) {
       const int voff = 64 * vh;
       // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
-      stage_states<NT>(smem, Sg, dSg, vh, tid, dgp + 8 * tid);
-      if (vh == 0) cp_async_wait1();
-      else cp_async_wait_all();
+      stage_states<NT>(smem, Sg, dSg, rec, vh, tid, dgp + 8 * tid);
+      if (vh == 0) cp_async_wait_all();
       if constexpr (kGradsWgmma) fence_async_smem();  // the tiles' cp.async and stage_states writes, then wgmma's reads
       __syncthreads();
       const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));

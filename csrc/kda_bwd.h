@@ -1,7 +1,7 @@
 // Host launchers of the backward kernels (kda_bwd.cu). All pointers are device pointers; nothing here
 // allocates. Layouts: q, k, v, do, dq, dk, dv [T, H, 128] bf16; g, dg [T, H, 128] fp32; beta, dbeta
 // [T, H] bf16; states and their gradients [n, H, 128, 128] fp32 indexed [.., key, value], except h
-// (kHiStateBytes below) and dh (kSplitStateBytes).
+// (kHiStateBytes below) and dh (kDhStateBytes).
 //
 // Tables (int32): chunks [Nc][2] = (first token, rows); walk rows [n][4] = (first chunk row, chunk count,
 // idx, src): the state enters from fold[idx] when src == 1, else from state_in / dstate_out[idx]
@@ -36,13 +36,18 @@ constexpr int kPrepBytes = 164352;
 // Aqk, A and P are block lower triangular (16 x 16 blocks): the prep writes their 10 lower blocks (zeros above the
 // diagonal inside the diagonal blocks) and leaves the 6 strictly upper ones unwritten (18 KB of the record's
 // 128.5 KB); their readers copy the lower blocks and zero-fill the rest (load_rows<..., LOWER>).
-// V_new (over U) and dV_new, each bf16 hi + lo, in the walks' fragment order so that every store of a walk
-// warp writes 128 contiguous bytes: for the walk CTA of half z (value columns 64 z ..), warp w (16 columns),
-// token step ks and A-fragment register i, "row" R = 16 w + 4 ks + i of 512 bytes holds at byte 256 z the
-// 32 lanes' hi words, then their lo words. A half lies in the bytes of U's columns of that half (U rows are
-// 512 bytes too), so the walk CTA of one half never writes what the other half's CTA reads.
+// V_new (over U) and dV_new as fp16 at a power of two per walk warp and chunk-head, in the walks' fragment order so
+// that every store of a walk warp writes 128 contiguous bytes: for the walk CTA of half z (value columns 64 z ..),
+// warp w (16 columns), token step ks and A-fragment register i, "row" R = 16 w + 4 ks + i of 512 bytes holds at
+// byte 256 z the 32 lanes' fp16 words (value x 2^-e, max |value| 2^-e of the warp's 16 x 64 in [2^14, 2^15)); 2^e
+// as fp32 at byte kVnScaleOff + 256 z + 4 w. A half lies in the bytes of U's columns of that half (U rows are 512
+// bytes too), so the walk CTA of one half never writes what the other half's CTA reads; bytes 256 z + 128 .. 255 of
+// each row hold no U (row 0's hold U's scale, row 1's the warps' scales). fp16 instead of bf16 hi + lo (session 36):
+// half the bytes the walks store and the gradient kernel loads, at 11 significant bits (the gradients move by ~2e-4
+// of their RMS, NOTES.md, against ~1.7e-3 from the bf16 inputs and outputs).
 constexpr int kRecVn = kRecU;
 constexpr int kWalkRowBytes = 512;
+constexpr int kVnScaleOff = kWalkRowBytes + 128;
 // U in fp16 (16 of the slot's 32 KB: the forward walk, bound by bytes at H >= 16, reads 16 KB less, the prep writes
 // 16 KB less; U comes from bf16 V, 4 times coarser than fp16). Row i, value half z: 64 fp16 at byte kWalkRowBytes i +
 // 256 z, so that half z's U lies in the bytes half z's V_new overwrites (as above). Scaled per chunk-head by 2^-e, e
@@ -52,16 +57,19 @@ constexpr int kWalkRowBytes = 512;
 constexpr int kURowBytes = kWalkRowBytes;
 constexpr int kUScaleOff = 128;
 
-// h and dh as the walks write them and the gradient kernel reads them: per (chunk, head) the state S[key]
-// [value] as bf16 hi + lo (64 KiB, the bytes of an FP32 state) in the walks' fragment order, so that each
-// warp store writes 128 contiguous bytes and the gradient kernel copies 16-byte pieces straight into its
-// swizzled S^T tiles: at byte 32768 z (value half z) + 256 (2 (16 w + nt) + eh) + 128 hl, the 32 lanes'
-// words (lane 4 g + l: keys 8 nt + 2 l, + 1 of value column 64 z + 16 w + 8 eh + g; hl 0 hi, 1 lo).
-constexpr int kSplitStateBytes = 65536;
-constexpr int kSplitHalfBytes = 32768;
+// h and dh as the walks write them and the gradient kernel reads them: per (chunk, head) the state S[key][value]
+// in the walks' fragment order, so that each warp store writes 128 contiguous bytes and the gradient kernel moves
+// 16-byte pieces into its swizzled S^T tiles. dh holds the state gradient as fp16 at a power of two per walk warp
+// (value half z, warp w: 16 value columns x 128 keys; max |dS| 2^-e in [2^14, 2^15)): at byte 16384 z + 128 (2 (16 w
+// + nt) + eh) the 32 lanes' fp16 words (lane 4 g + l: keys 8 nt + 2 l, + 1 of value column 64 z + 16 w + 8 eh + g),
+// and 2^e as fp32 at byte kDhScaleOff + 16 z + 4 w (32 KiB + 128 bytes per chunk-head; bf16 hi + lo before session
+// 36: 64 KiB, as precise for the gradients: NOTES.md).
+constexpr int kDhStateBytes = 32768 + 128;
+constexpr int kDhHalfBytes = 16384;
+constexpr int kDhScaleOff = 32768;
 // h holds S as bf16 hi only, the same order without the lo words (32 KiB per chunk-head): at byte 16384 z +
 // 128 (2 (16 w + nt) + eh) the 32 lanes' hi words. The gradient kernel's products take S as hi only
-// (KDA_BWD_SPLIT bit 0 off) and dgamma takes S hi x (dS hi + lo); dS keeps its lo half (bit 6: dKg needs it).
+// (KDA_BWD_SPLIT bit 0 off) and dgamma takes S hi x dS; dS enters as hi + lo of its fp16 value (bit 6: dKg needs it).
 constexpr int kHiStateBytes = 32768;
 constexpr int kHiHalfBytes = 16384;
 
@@ -80,7 +88,7 @@ struct Args {
   float scale;
   char* prep;               // [Nc * H * kPrepBytes]
   char* h;                  // [Nc, H] x kHiStateBytes: state entering each chunk (hi only, below)
-  char* dh;                 // [Nc, H] x kSplitStateBytes: gradient of the state leaving each chunk
+  char* dh;                 // [Nc, H] x kDhStateBytes: gradient of the state leaving each chunk
   const float* state_in;    // [*, H, K, V] or null
   const float* dstate_out;  // [*, H, K, V] or null
   float* mt_out;            // backward summaries: [n, H, K, K]

@@ -53,15 +53,19 @@ B::Args base_args(const TensorView& chunks, const TensorView& runs, int64_t H, T
   return a;
 }
 
-// dh: bf16 [Nc, H, 2, 128, 128], the bytes of the split state of every chunk-head; h: bf16 [Nc, H, 128, 128],
-// the state as hi only (kda_bwd.h)
-char* check_walk_state(const TensorView& t, const char* name, int64_t nchunks, int64_t H, bool split, int dev) {
+// h: bf16 [Nc, H, 128, 128], the state as hi only; dh: uint8 [Nc, H, kDhStateBytes], the state gradient as fp16 at a
+// power of two per walk warp, with the powers (kda_bwd.h)
+char* check_walk_state(const TensorView& t, const char* name, int64_t nchunks, int64_t H, bool scaled, int dev) {
   check_cuda(t, name, dev);
-  TVM_FFI_CHECK(is_dtype(t, kDLBfloat, 16), TypeError) << name << " must be bfloat16";
-  const int nd = split ? 5 : 4;
-  bool ok = t.ndim() == nd && t.size(0) == nchunks && t.size(1) == H && t.size(nd - 2) == kD && t.size(nd - 1) == kD;
-  if (split) ok = ok && t.size(2) == 2;
-  TVM_FFI_CHECK(ok, ValueError) << name << (split ? " must be [Nc, H, 2, 128, 128]" : " must be [Nc, H, 128, 128]");
+  if (scaled) {
+    TVM_FFI_CHECK(is_dtype(t, kDLUInt, 8), TypeError) << name << " must be uint8";
+    TVM_FFI_CHECK(t.ndim() == 3 && t.size(0) == nchunks && t.size(1) == H && t.size(2) == B::kDhStateBytes, ValueError)
+        << name << " must be [Nc, H, " << B::kDhStateBytes << "]";
+  } else {
+    TVM_FFI_CHECK(is_dtype(t, kDLBfloat, 16), TypeError) << name << " must be bfloat16";
+    TVM_FFI_CHECK(t.ndim() == 4 && t.size(0) == nchunks && t.size(1) == H && t.size(2) == kD && t.size(3) == kD, ValueError)
+        << name << " must be [Nc, H, 128, 128]";
+  }
   return static_cast<char*>(t.data_ptr());
 }
 
@@ -141,13 +145,13 @@ void bwd_fwd_walk(TensorView prep, TensorView chunks, TensorView runs, TensorVie
   raise_on(B::launch_fwd_walk(a, static_cast<int>(warps), stream_of(h)), "kda bwd_fwd_walk launch");
 }
 
-// dh[c] = gradient of the state leaving chunk c (bf16 hi + lo, kda_bwd.h), walking every run from its end
+// dh[c] = gradient of the state leaving chunk c (fp16 at a power of two per walk warp, kda_bwd.h), walking every run from its end
 // (dstate_out or zero); dstate_in[row] = the gradient of the state entering the row (numel 0: not written).
 void bwd_rev_walk(TensorView dout, TensorView prep, TensorView chunks, TensorView runs, TensorView dstate_out,
                   TensorView fold, TensorView dstate_in, TensorView dh, int64_t warps) {
   const int dev = prep.device().device_id;
   check_walk_warps(warps);
-  TVM_FFI_CHECK(dh.ndim() == 5, ValueError) << "dh must be [Nc, H, 2, 128, 128]";
+  TVM_FFI_CHECK(dh.ndim() == 3, ValueError) << "dh must be [Nc, H, " << B::kDhStateBytes << "]";
   const int64_t H = dh.size(1);
   char* dhp = check_walk_state(dh, "dh", chunks.size(0), H, true, dev);
   check_dout(dout, H, dev);

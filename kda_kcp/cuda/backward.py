@@ -12,8 +12,9 @@ up to 4 walk groups, segmented walks in two halves of the chunk table, each grou
 own walks end: ``_walk_groups``; whole-run chains in pieces that hand their FP32 state on, each block's gradients
 starting once both walks have passed it: ``walk_pieces``, ``WalkGroup``); a gradient
 kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as bf16
-hi + lo, in the walks' register order (``hi_state_shape``, ``hi_states``, ``split_state_shape``,
-``split_states``). Because the forward walk overwrites U,
+fp16 at a power of two per walk warp, in the walks' register order (``hi_state_shape``, ``hi_states``,
+``split_state_shape``, ``split_states``); V_new and dV_new reach the gradient kernel as fp16 the same way
+(``walk_tiles``). Because the forward walk overwrites U,
 the records of a ``PreparedBackward`` serve one ``grads`` call. Nothing is reduced with atomics: both
 packages run the same kernels and the result is bitwise repeatable; ``deterministic`` is accepted for
 either value.
@@ -39,6 +40,8 @@ __all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "rec
 
 PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
 REC_VN, REC_DVN = 81920, 131584  # byte offsets of the walks' V_new (over U) and dV_new; kda_bwd.h kRecVn, kRecDvn
+VN_SCALE_OFF = 640  # their powers of two inside the slot; kda_bwd.h kVnScaleOff
+DH_BYTES, DH_SCALE_OFF = 32896, 32768  # dh per chunk-head and its powers of two; kda_bwd.h kDhStateBytes, kDhScaleOff
 REC_U, U_SCALE_OFF = 81920, 128  # the prep's U (fp16, scaled) and its scale; kda_bwd.h kRecU, kUScaleOff
 
 
@@ -496,24 +499,27 @@ def hi_state_bytes(n: int, H: int) -> int:
 
 def split_state_bytes(n: int, H: int) -> int:
     """Arena bytes of dh for n chunks."""
-    return tensor_bytes(split_state_shape(n, H), torch.bfloat16)
+    return tensor_bytes(split_state_shape(n, H), torch.uint8)
 
 
 def split_state_shape(n: int, H: int) -> tuple:
-    """Shape of dh: bf16 [n, H, 2, 128, 128], the bytes of an FP32 state per chunk-head holding the state
-    gradient as bf16 hi + lo in the walks' fragment order (kda_bwd.h kSplitStateBytes; ``split_states``)."""
-    return (n, H, 2, _D, _D)
+    """Shape of dh: uint8 [n, H, DH_BYTES], per chunk-head the state gradient as fp16 at a power of two per walk warp
+    in the walks' fragment order, then the powers (kda_bwd.h kDhStateBytes; ``split_states``)."""
+    return (n, H, DH_BYTES)
 
 
 def walk_tiles(records: torch.Tensor, offset: int) -> torch.Tensor:
     """V_new (``offset`` REC_VN) or dV_new (REC_DVN) as fp32 [N, H, 64 tokens, 128] from prep records
-    [N, H, PREP_BYTES] uint8 after the walks (for tests and diagnostics). The walks' fragment order
-    (kda_bwd.h): 64 rows of 512 bytes, row 16 w + 4 ks + 2 ih + il, at byte 256 z the hi words of the 32
-    lanes (4 g + l), then their lo words; a word holds tokens 16 ks + 8 ih + 2 l (+1) of value column
-    64 z + 16 w + 8 il + g."""
+    [N, H, PREP_BYTES] uint8 after the walks (for tests and diagnostics). The walks' fragment order (kda_bwd.h):
+    64 rows of 512 bytes, row 16 w + 4 ks + 2 ih + il, at byte 256 z the fp16 words of the 32 lanes (4 g + l); a
+    word holds tokens 16 ks + 8 ih + 2 l (+1) of value column 64 z + 16 w + 8 il + g, times 2^-e of (z, w); 2^e as
+    fp32 at byte VN_SCALE_OFF + 256 z + 4 w."""
     n, H = records.shape[:2]
-    x = records[:, :, offset : offset + 32768].contiguous().view(torch.bfloat16).float()
-    x = x.reshape(n, H, 4, 4, 2, 2, 2, 2, 8, 4, 2).sum(7)  # [n, H, w, ks, ih, il, z, g, l, e], hi + lo
+    x = records[:, :, offset : offset + 32768].contiguous().view(torch.float16).float()
+    x = x.reshape(n, H, 4, 4, 2, 2, 2, 2, 8, 4, 2)[:, :, :, :, :, :, :, 0]  # [n, H, w, ks, ih, il, z, g, l, e]
+    sc = records[:, :, offset + VN_SCALE_OFF : offset + VN_SCALE_OFF + 512].contiguous().view(torch.float32)
+    sc = sc.reshape(n, H, 2, 64)[..., :4]  # [n, H, z, w]
+    x = x * sc.permute(0, 1, 3, 2)[:, :, :, None, None, None, :, None, None, None]
     return x.permute(0, 1, 3, 4, 8, 9, 6, 2, 5, 7).reshape(n, H, 64, _D)
 
 
@@ -530,10 +536,13 @@ def record_u(records: torch.Tensor) -> torch.Tensor:
 
 def split_states(x: torch.Tensor) -> torch.Tensor:
     """The states S[key][value] as fp32 [n, H, 128, 128] from dh (``split_state_shape``, for tests and
-    diagnostics). Per chunk-head, kda_bwd.h: value half z, warp w, key step nt, eh, hi / lo, then 32 lanes
-    (4 g + l) of two adjacent keys 8 nt + 2 l (+1) of value column 64 z + 16 w + 8 eh + g."""
+    diagnostics). Per chunk-head, kda_bwd.h: value half z, warp w, key step nt, eh, then 32 lanes (4 g + l) of fp16
+    words of two adjacent keys 8 nt + 2 l (+1) of value column 64 z + 16 w + 8 eh + g, times 2^-e of (z, w); then
+    2^e as fp32 at byte DH_SCALE_OFF + 16 z + 4 w."""
     n, H = x.shape[:2]
-    y = x.contiguous().view(torch.bfloat16).float().reshape(n, H, 2, 4, 16, 2, 2, 8, 4, 2).sum(6)
+    y = x[:, :, :DH_SCALE_OFF].contiguous().view(torch.float16).float().reshape(n, H, 2, 4, 16, 2, 8, 4, 2)
+    sc = x[:, :, DH_SCALE_OFF : DH_SCALE_OFF + 32].contiguous().view(torch.float32).reshape(n, H, 2, 4)
+    y = y * sc[:, :, :, :, None, None, None, None, None]
     return y.permute(0, 1, 4, 7, 8, 2, 3, 5, 6).reshape(n, H, _D, _D)  # [n, H, (nt, l, e), (z, w, eh, g)]
 
 
@@ -835,7 +844,7 @@ class PreparedBackward:
         chunks, _ = _tables(self.plan, self.dev)
         nc, prep = chunks.shape[0], self.prep
         h = arena.empty(hi_state_shape(nc, H), torch.bfloat16)
-        dh = arena.empty(split_state_shape(nc, H), torch.bfloat16)
+        dh = arena.empty(split_state_shape(nc, H), torch.uint8)
         st = _seg_tables(self.plan, H, self.dev)
         # every buffer of both chains is carved here, on the current stream, before the fork
         ffold = rfold = e0
@@ -918,7 +927,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     ncmax = max(p.num_chunks for p in lean)
     prep_all = arena.empty((ncmax * H * PREP_BYTES,), torch.uint8)
     h_all = arena.empty(hi_state_shape(ncmax, H), torch.bfloat16)
-    dh_all = arena.empty(split_state_shape(ncmax, H), torch.bfloat16)
+    dh_all = arena.empty(split_state_shape(ncmax, H), torch.uint8)
 
     def views(p):  # exact-size buffers of one pass
         return prep_all[: p.num_chunks * H * PREP_BYTES], h_all[: p.num_chunks], dh_all[: p.num_chunks]

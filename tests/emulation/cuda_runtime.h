@@ -21,6 +21,7 @@ inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct int2 { int x, y; };
 inline int2 make_int2(int a, int b) { return {a, b}; }
+inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 typedef void* cudaStream_t;
 constexpr int cudaSuccess = 0;

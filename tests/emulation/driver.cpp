@@ -6,7 +6,7 @@ int e_prep(void* q, void* k, void* v, float* g, void* beta, int32_t* chunks, int
   Args a{}; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunks = nchunks; a.H = H; a.scale = scale; a.prep = prep;
   return launch_prep(a, nullptr);
 }
-// h, dh: split states (kda_bwd.h kSplitStateBytes)
+// h, dh: the walks' states (kda_bwd.h kHiStateBytes, kDhStateBytes)
 int e_fwd_walk(char* prep, int32_t* chunks, int nchunks, int32_t* runs, int nruns, int H, float* sin, float* fold, float* sout, char* h, int warps) {
   Args a{}; a.prep = prep; a.chunks = chunks; a.nchunks = nchunks; a.runs = runs; a.nruns = nruns; a.H = H; a.state_in = sin; a.fold = fold; a.walk_out = sout; a.h = h;
   return launch_fwd_walk(a, warps, nullptr);

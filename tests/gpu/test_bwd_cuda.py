@@ -63,7 +63,7 @@ def test_stages_match_torch_stages():
     nc = chunks.shape[0]
     prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8, device=DEV)
     h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-    dh = torch.full(cb.split_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+    dh = torch.full(cb.split_state_shape(nc, H), 255, dtype=torch.uint8, device=DEV)  # NaN words and powers
     e0 = torch.empty(0, device=DEV)
     mod.bwd_prep(*inputs, chunks, prep, SCALE)
     again = torch.full_like(prep, 255)
