@@ -874,29 +874,75 @@ struct GradsTiling {
 };
 
 
-// Value half z of the walks' outputs into phase A's tiles, through registers (each piece converted on its way):
-//  - S (hi, from h) and dS (from dh: fp16 times the walk warp's 2^e, kda_bwd.h) into the swh tiles S^T, dS^T [value
-//    column 64][key 128] (dS as bf16 hi + lo: exact, an fp16 value has 11 significant bits): a 16-byte piece holds 8
-//    adjacent keys of one value column, and its S o dS products go into the thread's dgamma partials of those keys.
-//    Every piece a thread moves has key block nt = (tid / 16) % 16: its 8 partials (summed over both halves) stay in
-//    shared memory at `mine` (registers are short during the products that follow);
-//  - V_new^T and dV_new^T (fp16 times 2^e, record slots kRecVn / kRecDvn) into the sw64 tiles a_vn(z, .) [value column
-//    64][token 64] as bf16 hi (+ lo where split: kSV, kSVB): a 16-byte piece of unit row R holds lanes 4 g4 .. 4 g4 + 3,
-//    i.e. 8 consecutive tokens of one column.
-// Every load is issued before the first conversion, so their latencies overlap.
-static_assert(!kSS, "h holds S as hi only: the products take S hi (KDA_BWD_SPLIT bit 0 off)");
-// an fp16 pair times inv (a power of two) as bf16 hi + lo words: exact
+// The walks' V_new^T and dV_new^T of value half z (fp16 times the walk warp's 2^e, record slots kRecVn / kRecDvn in the
+// walks' fragment order, kda_bwd.h) -> the sw64 tiles a_vn(z, .) [value column 64][token 64] as bf16 hi (+ lo where
+// split: kSV, kSVB), in two steps: load_walk_tiles requests the fp16 pieces by cp.async into the lo tiles' places
+// (a 16-byte piece of unit row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column; piece p = tid
+// + NT k sits at the same place in every tile, so a thread's offsets are computed once for the half's tiles), and
+// once they have landed, convert_walk_tiles turns each thread's own pieces (visible to it after its wait, no barrier)
+// into hi and lo in place. One call per half: the kernel requests half 1's pieces in a cp.async group of their own,
+// so that half 0's products do not wait for them.
+template <int NT>
+constexpr int kWalkPieces = C * 8 / NT;  // 16-byte pieces of one walk tile per thread
+template <int NT>
+__device__ __forceinline__ int walk_piece_at(int k, int tid, int& R) {  // the piece's byte offset in a tile
+  const int p = tid + NT * k, g4 = p & 7;
+  R = p >> 3;
+  const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
+  return 2 * sw64(16 * w + g4 + 8 * (i & 1), 16 * ks + 8 * (i >> 1));
+}
+template <int NT>
+__device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int z, int tid) {
+  static_assert(kWalkPieces<NT> * NT == C * 8, "whole pieces per thread");
+#pragma unroll
+  for (int k = 0; k < kWalkPieces<NT>; ++k) {
+    int R;
+    const int so = walk_piece_at<NT>(k, tid, R);
+    const char* src = rec + R * kWalkRowBytes + 16 * ((tid + NT * k) & 7) + 256 * z;
+    cp_async16(smem + a_vn(z, kVNL) + so, src + kRecVn, true);
+    cp_async16(smem + a_vn(z, kDVL) + so, src + kRecDvn, true);
+  }
+}
+// an fp16 pair times inv (a power of two) as bf16 hi + lo words: exact (an fp16 value has 11 significant bits)
 __device__ __forceinline__ void f16x2_split(uint32_t w, float inv, uint32_t& hi, uint32_t& lo, float2& x) {
   x = make_float2(f16_to_f32(static_cast<uint16_t>(w & 0xffffu)) * inv, f16_to_f32(static_cast<uint16_t>(w >> 16)) * inv);
   split2(x.x, x.y, hi, lo);
 }
+// winv: the powers 2^e of this thread's pieces, V_new's [0] and dV_new's [1] (stage_states loads them)
+template <int NT>
+__device__ __forceinline__ void convert_walk_tiles(char* smem, int z, int tid, const float (&winv)[2][kWalkPieces<NT>]) {
+#pragma unroll
+  for (int k = 0; k < kWalkPieces<NT>; ++k) {
+    int R;
+    const int so = walk_piece_at<NT>(k, tid, R);
+    auto put = [&](float inv, int hi_tile, int lo_tile, bool split) {
+      const uint4 x = *reinterpret_cast<const uint4*>(smem + a_vn(z, lo_tile) + so);
+      const uint32_t v[4] = {x.x, x.y, x.z, x.w};
+      uint32_t hi[4], lo[4];
+      float2 t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f16x2_split(v[e], inv, hi[e], lo[e], t);
+      *reinterpret_cast<uint4*>(smem + a_vn(z, hi_tile) + so) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      if (split) *reinterpret_cast<uint4*>(smem + a_vn(z, lo_tile) + so) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    };
+    put(winv[0][k], kVNH, kVNL, kSV);
+    put(winv[1][k], kDVH, kDVL, kSVB);
+  }
+}
+
+// Value half z of S (hi, from h) and dS (from dh: fp16 times the walk warp's 2^e, kda_bwd.h) into the swh tiles S^T,
+// dS^T [value column 64][key 128], through registers (dS as bf16 hi + lo: exact), and the powers of the half's walk
+// tiles into winv: a 16-byte piece holds 8 adjacent keys of one value column, and its S o dS products go into the
+// thread's dgamma partials of those keys. Every piece a thread moves has key block nt = (tid / 16) % 16: its 8 partials
+// (summed over both halves) stay in shared memory at `mine` (registers are short during the products that follow).
+static_assert(!kSS, "h holds S as hi only: the products take S hi (KDA_BWD_SPLIT bit 0 off)");
 template <int NT>
 __device__ __forceinline__ void stage_states(char* smem, const char* S, const char* dS, const char* rec, int z, int tid,
-                                             float* mine) {
-  constexpr int KS = C * 16 / NT, KV = C * 8 / NT;  // pieces per thread: states, walk tiles
-  static_assert(KS * NT == C * 16 && KV * NT == C * 8, "whole pieces per thread");
-  uint4 sh[KS], dh[KS], vn[KV], dvn[KV];
-  float dinv[KS], vinv[KV], dvinv[KV];
+                                             float* mine, float (&winv)[2][kWalkPieces<NT>]) {
+  constexpr int KS = C * 16 / NT;  // pieces per thread
+  static_assert(KS * NT == C * 16, "whole pieces per thread");
+  uint4 sh[KS], dh[KS];
+  float dinv[KS];
 #pragma unroll
   for (int k = 0; k < KS; ++k) {
     const int p = tid + k * NT, u = p >> 3, g4 = p & 7, w = u >> 5;
@@ -906,13 +952,10 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
     dinv[k] = *reinterpret_cast<const float*>(dS + kDhScaleOff + 16 * z + 4 * w);
   }
 #pragma unroll
-  for (int k = 0; k < KV; ++k) {
-    const int p = tid + NT * k, R = p >> 3, g4 = p & 7, w = R >> 4;
-    const char* src = rec + R * kWalkRowBytes + 16 * g4 + 256 * z;
-    vn[k] = *reinterpret_cast<const uint4*>(src + kRecVn);
-    dvn[k] = *reinterpret_cast<const uint4*>(src + kRecDvn);
-    vinv[k] = *reinterpret_cast<const float*>(rec + kRecVn + kVnScaleOff + 256 * z + 4 * w);
-    dvinv[k] = *reinterpret_cast<const float*>(rec + kRecDvn + kVnScaleOff + 256 * z + 4 * w);
+  for (int k = 0; k < kWalkPieces<NT>; ++k) {
+    const int w = ((tid + NT * k) >> 3) >> 4;  // the walk warp of the piece's unit row
+    winv[0][k] = *reinterpret_cast<const float*>(rec + kRecVn + kVnScaleOff + 256 * z + 4 * w);
+    winv[1][k] = *reinterpret_cast<const float*>(rec + kRecDvn + kVnScaleOff + 256 * z + 4 * w);
   }
   float dg[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -936,23 +979,6 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) mine[i] = z == 0 ? dg[i] : mine[i] + dg[i];
-#pragma unroll
-  for (int k = 0; k < KV; ++k) {
-    const int p = tid + NT * k, R = p >> 3, g4 = p & 7;
-    const int w = R >> 4, ks = (R >> 2) & 3, i = R & 3;
-    const int so = 2 * sw64(16 * w + g4 + 8 * (i & 1), 16 * ks + 8 * (i >> 1));  // bytes
-    auto put = [&](const uint4& x, float inv, int hi_tile, int lo_tile, bool split) {
-      const uint32_t v[4] = {x.x, x.y, x.z, x.w};
-      uint32_t hi[4], lo[4];
-      float2 t;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) f16x2_split(v[e], inv, hi[e], lo[e], t);
-      *reinterpret_cast<uint4*>(smem + a_vn(z, hi_tile) + so) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-      if (split) *reinterpret_cast<uint4*>(smem + a_vn(z, lo_tile) + so) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
-    };
-    put(vn[k], vinv[k], kVNH, kVNL, kSV);
-    put(dvn[k], dvinv[k], kDVH, kDVL, kSVB);
-  }
 }
 
 // The products of phase A, B2, B3 and B4' by wgmma on sm_90a (both operands from shared memory). B2, B3 (and phase A
@@ -1031,8 +1057,11 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   // ---- phase A loads ----
   load_bf16_swh<NT>(B16(A_DO), static_cast<const bf16*>(a.dout) + base, gs, nrows, tid);
   load_bf16_swh<NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
+  load_walk_tiles<NT>(smem, rec, 0, tid);
   load_lower_bf16<NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), tid);
   if (kSA) load_lower_bf16<NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), tid);
+  cp_async_commit();
+  load_walk_tiles<NT>(smem, rec, 1, tid);  // a group of its own: half 0 waits for the first group only
   cp_async_commit();
   if (tid < C) sBeta[tid] = tid < nrows ? __bfloat162float(static_cast<const bf16*>(a.beta)[(tok + tid) * H + h]) : 0.f;
 
@@ -1067,8 +1096,11 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     const int wg = cg;  // the warpgroup
     for (int vh = 0; vh < 2; ++vh) {
       const int voff = 64 * vh;
-      stage_states<NT>(smem, Sg, dSg, rec, vh, tid, dgp + 8 * tid);
-      if (vh == 0) cp_async_wait_all();
+      float winv[2][kWalkPieces<NT>];
+      stage_states<NT>(smem, Sg, dSg, rec, vh, tid, dgp + 8 * tid, winv);
+      if (vh == 0) cp_async_wait1();
+      else cp_async_wait_all();
+      convert_walk_tiles<NT>(smem, vh, tid, winv);
       fence_async_smem();
       __syncthreads();
       const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
@@ -1114,8 +1146,11 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     for (int vh = 0; vh < 2; ++vh) {
       const int voff = 64 * vh;
       // S^T, dS^T of this half (the previous half's products are done: barrier at the end of the loop)
-      stage_states<NT>(smem, Sg, dSg, rec, vh, tid, dgp + 8 * tid);
-      if (vh == 0) cp_async_wait_all();
+      float winv[2][kWalkPieces<NT>];
+      stage_states<NT>(smem, Sg, dSg, rec, vh, tid, dgp + 8 * tid, winv);
+      if (vh == 0) cp_async_wait1();
+      else cp_async_wait_all();
+      convert_walk_tiles<NT>(smem, vh, tid, winv);
       if constexpr (kGradsWgmma) fence_async_smem();  // the tiles' cp.async and stage_states writes, then wgmma's reads
       __syncthreads();
       const bf16 *vnh = B16(a_vn(vh, kVNH)), *vnl = B16(a_vn(vh, kVNL)), *dvh = B16(a_vn(vh, kDVH)), *dvl = B16(a_vn(vh, kDVL));
