@@ -7,10 +7,11 @@
 //                                          (two 8-warp CTAs per SM, the forward prep's shape).
 //   fwd_walk_kernel  (run, head):          S^T in registers (FP32 accumulators), serial over the run's
 //                                          chunks: writes h (state entering each chunk, bf16 hi only,
-//                                          kHiStateBytes) and V_new (bf16 hi + lo, over U in the record).
+//                                          kHiStateBytes) and V_new (fp16 at a power of two per warp, over U
+//                                          in the record).
 //   rev_walk_kernel  (run, head):          dS^T in registers, serial from the run's end: writes dh
-//                                          (gradient of the state leaving each chunk, bf16 hi + lo) and dV_new
-//                                          (bf16 hi + lo, into the record), or the backward summary
+//                                          (gradient of the state leaving each chunk) and dV_new (into the
+//                                          record), both fp16 at a power of two per warp, or the backward summary
 //                                          (M^T | F) of a run from a zero dS.
 //                                          Both walks: the state products by wgmma on sm_90a (WalkShape::WGMMA),
 //                                          mma.sync elsewhere; bitwise the same results.
@@ -386,7 +387,7 @@ __device__ __forceinline__ float frag_absmax(const float (&t)[N][4]) {
 // One warp's V_new^T or dV_new^T (16 value columns, the 64 tokens of a chunk; t = its accumulators, token step ks in
 // t[2 ks], t[2 ks + 1]) as fp16 A-fragment words at the warp's power of two, into its half of a record slot (kRecVn /
 // kRecDvn layout, kda_bwd.h; `half` = the slot + 256 z bytes): each store writes the warp's 32 words contiguously.
-// The gradient kernel loads them (stage_states) instead of recomputing both products. Pinned stores
+// The gradient kernel loads them (load_walk_tiles, convert_walk_tiles) instead of recomputing both products. Pinned stores
 // (st_global_pinned): plain ones, sunk by the compiler, keep the words live (the reverse walk spilled 120 bytes
 // instead of 4 with plain stores of the hi + lo words).
 __device__ __forceinline__ void store_half_f16(char* half, const float (&t)[8][4], int warp, int lane) {
@@ -793,7 +794,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
 // half 0's V_new / dV_new tiles and a gap that phase A leaves free, where they could land while half 1
 // computes; requested there (session 13), the request code cost ptxas ~80 bytes of spill and the time it saved.
 // phase A (state products, two halves of the value columns); V_new / dV_new of each half come from the
-// walks (bf16 hi / lo, transposed: [value column][token], sw64)
+// walks (fp16, converted to bf16 hi / lo here; transposed: [value column][token], sw64)
 constexpr int A_DO = 0;       // dO, bf16 swh [64][128] (the two value halves are wgmma's K-major A tiles)
 constexpr int A_V = 49152;    // v, swh
 constexpr int A_SH = 65536;   // S^T hi, dS^T hi / lo of the value half: bf16 swh [64][128] (h holds no lo of S)
