@@ -4,8 +4,8 @@
     bwd_summaries  (M^T, F) of listed runs from a zero state gradient: dS_in = Mt dS_out + F
 
 Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writes one 160.5 KiB record
-(W, Kg, s Qg as bf16; Aqk and A as bf16 hi + lo; U and P as fp32; gamma; room for dV_new); a forward walk
-per (run, head) (one 8-warp CTA of all 128 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
+(W, Kg, s Qg as bf16; Aqk as bf16 hi + lo, A as bf16 hi; U as fp16 at a power of two; P as fp32; gamma; room for
+dV_new); a forward walk per (run, head) (one 8-warp CTA of all 128 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
 walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries (the two walks,
 with their summaries and folds, run on two streams: ``_both_walks``; whole-run walks of unlike lengths run in
 up to 4 walk groups, segmented walks in two halves of the chunk table, each group's gradients starting when its
@@ -488,7 +488,7 @@ def _forward_program(device):
 def hi_state_shape(n: int, H: int) -> tuple:
     """Shape of h: bf16 [n, H, 128, 128], the state entering each chunk as bf16 hi only in the walks' fragment
     order (kda_bwd.h kHiStateBytes; ``hi_states``): the gradient kernel's products read S as hi only, and its
-    dgamma takes S hi times dS hi + lo."""
+    dgamma takes S hi times dS."""
     return (n, H, _D, _D)
 
 
