@@ -33,7 +33,7 @@ def main():
     chunks, runs = cb._tables(plan, dev)
     nc = chunks.shape[0]
     h = torch.empty(cb.hi_state_shape(nc, H), dtype=torch.bfloat16, device=dev)
-    dh = torch.empty(cb.split_state_shape(nc, H), dtype=torch.uint8, device=dev)
+    dh = torch.empty(cb.scaled_state_shape(nc, H), dtype=torch.uint8, device=dev)
     e0 = torch.empty(0, device=dev)
 
     def run(which):

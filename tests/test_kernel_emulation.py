@@ -246,11 +246,11 @@ def _walk_outputs(lib, plan, inputs, do, sin, dso, warps):
     assert lib.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e), warps) == 0
     assert lib.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f), warps) == 0
     h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full(cb.split_state_shape(nc, H), 255, dtype=torch.uint8)  # NaN words and powers
+    dh = torch.full(cb.scaled_state_shape(nc, H), 255, dtype=torch.uint8)  # NaN words and powers
     assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, None, _p(h), warps) == 0
     assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, None, _p(dh), warps) == 0
     vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
-    return {"h": cb.hi_states(h), "dh": cb.split_states(dh), "M": m, "E": e, "Mt": mt, "F": f, "V_new": vn,
+    return {"h": cb.hi_states(h), "dh": cb.scaled_states(dh), "M": m, "E": e, "Mt": mt, "F": f, "V_new": vn,
             "dV_new": dvn}
 
 
@@ -274,7 +274,7 @@ def _walked(lib, plan, inputs, do):
     chunks, runs, prep = _prep(lib, plan, inputs)
     nc = chunks.shape[0]
     h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full(cb.split_state_shape(nc, H), 255, dtype=torch.uint8)  # NaN words and powers
+    dh = torch.full(cb.scaled_state_shape(nc, H), 255, dtype=torch.uint8)  # NaN words and powers
     assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, None, _p(h), 8) == 0
     assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, None, _p(dh), 8) == 0
     return chunks, prep, h, dh

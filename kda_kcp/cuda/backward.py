@@ -11,9 +11,9 @@ with their summaries and folds, run on two streams: ``_both_walks``; whole-run w
 up to 4 walk groups, segmented walks in two halves of the chunk table, each group's gradients starting when its
 own walks end: ``_walk_groups``; whole-run chains in pieces that hand their FP32 state on, each block's gradients
 starting once both walks have passed it: ``walk_pieces``, ``WalkGroup``); a gradient
-kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as bf16
+kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as
 fp16 at a power of two per walk warp, in the walks' register order (``hi_state_shape``, ``hi_states``,
-``split_state_shape``, ``split_states``); V_new and dV_new reach the gradient kernel as fp16 the same way
+``scaled_state_shape``, ``scaled_states``); V_new and dV_new reach the gradient kernel as fp16 the same way
 (``walk_tiles``). Because the forward walk overwrites U,
 the records of a ``PreparedBackward`` serve one ``grads`` call. Nothing is reduced with atomics: both
 packages run the same kernels and the result is bitwise repeatable; ``deterministic`` is accepted for
@@ -450,10 +450,10 @@ def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -
     H = num_heads
     st = _seg_tables(plan, H, device)
     if passes is None:
-        n = hi_state_bytes(plan.num_chunks, H) + split_state_bytes(plan.num_chunks, H)
+        n = hi_state_bytes(plan.num_chunks, H) + scaled_state_bytes(plan.num_chunks, H)
     else:
         nc = max((p.num_chunks for p in _lean_passes(plan, H, device, passes)), default=0)
-        n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + hi_state_bytes(nc, H) + split_state_bytes(nc, H)
+        n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + hi_state_bytes(nc, H) + scaled_state_bytes(nc, H)
     if st.num_sum_f:  # summaries M, E and their fold
         n += 2 * state_bytes(st.num_sum_f, H) + state_bytes(st.num_fold_f, H)
     if st.num_sum_r:
@@ -497,14 +497,14 @@ def hi_state_bytes(n: int, H: int) -> int:
     return tensor_bytes(hi_state_shape(n, H), torch.bfloat16)
 
 
-def split_state_bytes(n: int, H: int) -> int:
+def scaled_state_bytes(n: int, H: int) -> int:
     """Arena bytes of dh for n chunks."""
-    return tensor_bytes(split_state_shape(n, H), torch.uint8)
+    return tensor_bytes(scaled_state_shape(n, H), torch.uint8)
 
 
-def split_state_shape(n: int, H: int) -> tuple:
+def scaled_state_shape(n: int, H: int) -> tuple:
     """Shape of dh: uint8 [n, H, DH_BYTES], per chunk-head the state gradient as fp16 at a power of two per walk warp
-    in the walks' fragment order, then the powers (kda_bwd.h kDhStateBytes; ``split_states``)."""
+    in the walks' fragment order, then the powers (kda_bwd.h kDhStateBytes; ``scaled_states``)."""
     return (n, H, DH_BYTES)
 
 
@@ -534,8 +534,8 @@ def record_u(records: torch.Tensor) -> torch.Tensor:
     return u * scale[..., None]
 
 
-def split_states(x: torch.Tensor) -> torch.Tensor:
-    """The states S[key][value] as fp32 [n, H, 128, 128] from dh (``split_state_shape``, for tests and
+def scaled_states(x: torch.Tensor) -> torch.Tensor:
+    """The states S[key][value] as fp32 [n, H, 128, 128] from dh (``scaled_state_shape``, for tests and
     diagnostics). Per chunk-head, kda_bwd.h: value half z, warp w, key step nt, eh, then 32 lanes (4 g + l) of fp16
     words of two adjacent keys 8 nt + 2 l (+1) of value column 64 z + 16 w + 8 eh + g, times 2^-e of (z, w); then
     2^e as fp32 at byte DH_SCALE_OFF + 16 z + 4 w."""
@@ -548,7 +548,7 @@ def split_states(x: torch.Tensor) -> torch.Tensor:
 
 def hi_states(x: torch.Tensor) -> torch.Tensor:
     """The states S[key][value] as fp32 [n, H, 128, 128] from h (``hi_state_shape``, for tests and diagnostics):
-    the order of ``split_states`` without the lo words."""
+    the order of ``scaled_states``, bf16 words and no powers."""
     n, H = x.shape[:2]
     y = x.contiguous().view(torch.bfloat16).float().reshape(n, H, 2, 4, 16, 2, 8, 4, 2)
     return y.permute(0, 1, 4, 7, 8, 2, 3, 5, 6).reshape(n, H, _D, _D)  # [n, H, (nt, l, e), (z, w, eh, g)]
@@ -844,7 +844,7 @@ class PreparedBackward:
         chunks, _ = _tables(self.plan, self.dev)
         nc, prep = chunks.shape[0], self.prep
         h = arena.empty(hi_state_shape(nc, H), torch.bfloat16)
-        dh = arena.empty(split_state_shape(nc, H), torch.uint8)
+        dh = arena.empty(scaled_state_shape(nc, H), torch.uint8)
         st = _seg_tables(self.plan, H, self.dev)
         # every buffer of both chains is carved here, on the current stream, before the fork
         ffold = rfold = e0
@@ -927,7 +927,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     ncmax = max(p.num_chunks for p in lean)
     prep_all = arena.empty((ncmax * H * PREP_BYTES,), torch.uint8)
     h_all = arena.empty(hi_state_shape(ncmax, H), torch.bfloat16)
-    dh_all = arena.empty(split_state_shape(ncmax, H), torch.uint8)
+    dh_all = arena.empty(scaled_state_shape(ncmax, H), torch.uint8)
 
     def views(p):  # exact-size buffers of one pass
         return prep_all[: p.num_chunks * H * PREP_BYTES], h_all[: p.num_chunks], dh_all[: p.num_chunks]

@@ -63,7 +63,7 @@ def test_stages_match_torch_stages():
     nc = chunks.shape[0]
     prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8, device=DEV)
     h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-    dh = torch.full(cb.split_state_shape(nc, H), 255, dtype=torch.uint8, device=DEV)  # NaN words and powers
+    dh = torch.full(cb.scaled_state_shape(nc, H), 255, dtype=torch.uint8, device=DEV)  # NaN words and powers
     e0 = torch.empty(0, device=DEV)
     mod.bwd_prep(*inputs, chunks, prep, SCALE)
     again = torch.full_like(prep, 255)
@@ -112,7 +112,7 @@ def test_stages_match_torch_stages():
     dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, None)
     Vn = U - W @ h_ref
     dVn = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
-    h, dh = cb.hi_states(h), cb.split_states(dh)
+    h, dh = cb.hi_states(h), cb.scaled_states(dh)
     for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("V_new", vn, Vn), ("dV_new", dvn, dVn)):
         e = rel(x, r)
         print(f"stage walk {name}: rel vs torch-fp32 {e:.3e}")
