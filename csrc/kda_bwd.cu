@@ -683,7 +683,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
     const bf16* sAql = reinterpret_cast<const bf16*>(st + Sh::RW_AQL);
     const bf16* sDO = reinterpret_cast<const bf16*>(st + Sh::RW_DO);
     const float* sGam = reinterpret_cast<const float*>(st + Sh::RW_GAM);
-    // dh of this chunk (the gradient of the state leaving it)
+    // dh of this chunk (the gradient of the state leaving it), stored while dV_new's products run
     auto store_dh = [&] {
       if constexpr (!SUMMARY) {
         char* dh = a.dh + (static_cast<int64_t>(first + j) * H + h) * kDhStateBytes;
@@ -714,8 +714,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
             wgmma_n64_rs_mn(DV, ado[ks], dal + ks * (2048 >> 4));
           }
         }
-      });
-      store_dh();  // after the wait: inside the post hook, reading ST made ptxas inject a wait there (C7517)
+      }, store_dh);
       fence_frags(ado);
     } else {
       store_dh();
