@@ -17,6 +17,8 @@ precisions (FP64 tests); the library's kernels use head dims 128 and FP32 summar
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .arena import Arena, aligned
@@ -79,27 +81,75 @@ def workspace_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, v
 
 def _device_of(ctx, device) -> torch.device:
     dev = torch.device(device) if device is not None else ctx.token_index.device
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={dev} but this machine has no CUDA device; to plan for a GPU you do not have, pass arch= "
+            "(one of 'sm_90a', 'sm_100a', 'sm_103a', with sm_count= where needed) instead of device="
+        )
     if dev.type == "cuda" and dev.index is None:  # the key the tables are cached under names the index
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
+# SM counts of the parts a plan names by arch alone: H100 / H200 SXM (sm_90a) and B200 (sm_100a); any other part
+# (H100 PCIe's 114, a B300) is named by its sm_count
+PLANNING_SM_COUNTS = {"sm_90a": 132, "sm_100a": 148}
+
+
+def _planned_sizes(ctx, num_heads, deterministic, passes, head_dim, value_dim, dtype, arch, sm_count) -> int:
+    """kda_workspace_bytes_kcp for the CUDA kernels of ``arch`` on a GPU of ``sm_count`` SMs, computed without one:
+    the sizes are pure functions of the shapes and the SM count. The tables are made on the CPU, in a copy of the
+    context's local plan kept per SM count, so they never mix with the tables of a real device."""
+    from dataclasses import replace
+
+    from .backend import KERNEL_CAPABILITIES
+    from .cuda import CudaBackend
+    from .cuda.common import planning_sm_count
+
+    archs = sorted(KERNEL_CAPABILITIES.values())
+    if arch not in archs:
+        raise ValueError(f"arch must be one of {archs}, got {arch!r}")
+    if sm_count is None:
+        sm_count = PLANNING_SM_COUNTS.get(arch)
+        if sm_count is None:
+            raise ValueError(f"sm_count is required with arch={arch!r} (the SM count of the GPU to plan for)")
+    if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1:
+        raise ValueError(f"sm_count must be a positive int, got {sm_count!r}")
+    key = ("planning_local", sm_count)
+    if key not in ctx.local._tables:
+        ctx.local._tables[key] = replace(ctx.local, _tables={})
+    planned = copy.copy(ctx)
+    planned.local = ctx.local._tables[key]
+    with planning_sm_count(sm_count):
+        return workspace_bytes(planned, num_heads, CudaBackend(deterministic), torch.device("cpu"), head_dim,
+                               value_dim, dtype, passes)
+
+
 def kda_workspace_bytes_kcp(
     ctx, num_heads, deterministic=True, local_arena="replay", lean_passes=None, *, head_dim=128, value_dim=None,
-    dtype=torch.float32, device=None,
+    dtype=torch.float32, device=None, arch=None, sm_count=None,
 ) -> int:
     """Bytes of workspace one call (forward or backward) of this context needs, on ``device`` (default:
     the device of the cu_seqlens the context was built from): the exchange scratch, and on the CUDA
     backend every scratch buffer of its kernels, so that a call with the workspace allocates only its
     outputs. ``local_arena="replay"`` holds the backward's per-chunk buffers for every chunk at once;
     ``"lean"`` runs the backward in ``lean_passes`` passes (1..8, default 2) over whole segments of the
-    walks, on buffers for the largest pass, with results bitwise equal to replay."""
+    walks, on buffers for the largest pass, with results bitwise equal to replay.
+
+    ``arch`` (with ``sm_count``; default 132 for sm_90a, 148 for sm_100a) instead of ``device``: the bytes for the
+    CUDA kernels of that architecture, computed on any machine (a CPU-only login node too)."""
     passes = check_arena(local_arena, lean_passes)
+    H = _heads(num_heads)
+    if arch is not None or sm_count is not None:
+        if device is not None:
+            raise ValueError("pass device= (a GPU of this machine) or arch= (a GPU to plan for), not both")
+        if arch is None:
+            raise ValueError("sm_count goes with arch= (the GPU architecture to plan for)")
+        return _planned_sizes(ctx, H, deterministic, passes, head_dim, value_dim, dtype, arch, sm_count)
     from .backend import select_backend
 
     dev = _device_of(ctx, device)
-    return workspace_bytes(ctx, _heads(num_heads), select_backend(dev, deterministic), dev, head_dim, value_dim,
-                           dtype, passes)
+    return workspace_bytes(ctx, H, select_backend(dev, deterministic), dev, head_dim, value_dim, dtype, passes)
 
 
 def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
@@ -161,6 +211,30 @@ class WorkspaceKcp:
         ws.nbytes, ws.deterministic, ws.device, ws.buffer = buffer.numel(), deterministic, buffer.device, buffer
         ws.lean_passes = check_arena(local_arena, lean_passes)
         return ws
+
+    def begin_use(self) -> None:
+        """A call on the current CUDA stream is about to carve this workspace: when the previous call that used it
+        ran on another stream, the current stream waits for that use to end (a CUDA event, no host
+        synchronization), as the caching allocator orders a block's reuse across streams. Calls on one stream
+        are ordered by the stream itself. Off the GPU, and while a CUDA graph is being captured (replays run in
+        the order the caller gives them), there is nothing to do."""
+        if self.buffer.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        last = self.__dict__.get("_last_use")
+        if last is not None:
+            stream = torch.cuda.current_stream(self.buffer.device)
+            if last[0] != stream:
+                stream.wait_event(last[1])
+
+    def end_use(self) -> None:
+        """The call that began on the current stream has enqueued its last use of the workspace."""
+        if self.buffer.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        last = self.__dict__.get("_last_use")
+        event = last[1] if last is not None else torch.cuda.Event()
+        stream = torch.cuda.current_stream(self.buffer.device)
+        event.record(stream)
+        self._last_use = (stream, event)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
         """The first ``numel`` elements of the buffer as ``dtype``; raises if the buffer is too small."""

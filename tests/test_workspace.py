@@ -68,3 +68,37 @@ def test_workspace_object():
         kda_kcp.WorkspaceKcp.from_buffer(big[base + 3:])
     with pytest.raises(ValueError, match="contiguous"):
         kda_kcp.WorkspaceKcp.from_buffer(big[::2])
+
+
+def test_sizing_for_a_gpu_this_machine_does_not_have(monkeypatch):
+    """A job is planned on a CPU-only node: arch= sizes the CUDA kernels' workspace with no GPU; device="cuda"
+    without one says what to pass instead (not torch's AssertionError)."""
+    from kda_kcp.cuda import CudaBackend
+    from kda_kcp.cuda.common import planning_sm_count
+    from kda_kcp.workspace import workspace_bytes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ctx = kda_kcp.build_context_kcp(BENCH)
+    for dev in (torch.device("cuda"), "cuda:0"):
+        with pytest.raises(ValueError, match="no CUDA device.*arch="):
+            kda_kcp.kda_workspace_bytes_kcp(ctx, 16, device=dev)
+        with pytest.raises(ValueError, match="no CUDA device"):
+            kda_kcp.WorkspaceKcp(ctx, 16, device=dev)
+    cpu = torch.device("cpu")
+    for arena, passes in (("replay", None), ("lean", 2), ("lean", 3)):
+        planned = kda_kcp.kda_workspace_bytes_kcp(ctx, 16, local_arena=arena, lean_passes=passes, arch="sm_90a")
+        direct = workspace_bytes(ctx, 16, CudaBackend(True), cpu, lean_passes=passes if arena == "lean" else None)
+        assert planned == direct > 0
+    # the SM count steers the segment choice, and so the bytes: 114 SMs (an H100 PCIe) is planned as such, and
+    # tables planned for one SM count are never reused for another
+    with planning_sm_count(114):  # a fresh context: its tables are made here, for 114 SMs
+        pcie = workspace_bytes(kda_kcp.build_context_kcp(BENCH), 16, CudaBackend(True), cpu)
+    assert kda_kcp.kda_workspace_bytes_kcp(ctx, 16, arch="sm_90a", sm_count=114) == pcie
+    assert pcie != kda_kcp.kda_workspace_bytes_kcp(ctx, 16, arch="sm_90a")
+    assert kda_kcp.kda_workspace_bytes_kcp(ctx, 16, arch="sm_103a", sm_count=148) == \
+        kda_kcp.kda_workspace_bytes_kcp(ctx, 16, arch="sm_100a")
+    for kw, match in (({"arch": "sm_80"}, "arch must be one of"), ({"arch": "sm_103a"}, "sm_count is required"),
+                      ({"sm_count": 132}, "sm_count goes with arch"), ({"arch": "sm_90a", "sm_count": 0}, "positive"),
+                      ({"arch": "sm_90a", "device": "cpu"}, "not both")):
+        with pytest.raises(ValueError, match=match):
+            kda_kcp.kda_workspace_bytes_kcp(ctx, 16, **kw)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
 
-__all__ = ["_D", "_c", "check_tensors", "sm_count", "state_bytes", "env_choice", "side_streams"]
+__all__ = ["_D", "_c", "check_tensors", "sm_count", "planning_sm_count", "state_bytes", "env_choice", "side_streams"]
 
 _D = 128  # the kernels' head dim (K = V)
 
@@ -19,14 +21,27 @@ def state_bytes(n: int, heads: int) -> int:
 
 
 _SMS: dict = {}
+# the SM count of the GPU a byte query plans for without one (kda_workspace_bytes_kcp(..., arch=...)); unset, a
+# table made off the GPU assumes an H200's 132, so the CPU tests choose as on the benchmark's machine
+_PLANNING_SMS: contextvars.ContextVar = contextvars.ContextVar("kda_kcp_planning_sms", default=132)
+
+
+@contextlib.contextmanager
+def planning_sm_count(sms: int):
+    """Tables made off the GPU inside this block choose segments and pieces for a GPU of ``sms`` SMs."""
+    token = _PLANNING_SMS.set(sms)
+    try:
+        yield
+    finally:
+        _PLANNING_SMS.reset(token)
 
 
 def sm_count(device) -> int:
-    """SMs of ``device``; 132 (an H200's) off the GPU, so the CPU tests choose as on the benchmark's machine.
+    """SMs of ``device``; off the GPU, the planned GPU's (``planning_sm_count``, else an H200's 132).
     Kept per device with an index (a property query per call otherwise)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return 132
+        return _PLANNING_SMS.get()
     if device.index is None:
         return torch.cuda.get_device_properties(device).multi_processor_count
     if device not in _SMS:

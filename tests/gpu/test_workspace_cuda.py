@@ -147,3 +147,44 @@ def test_first_call_after_making_the_workspace_copies_nothing():
         _step(inputs, do, ctx, ws)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_one_workspace_on_two_streams_is_ordered():
+    """Two calls in flight on different streams share one WorkspaceKcp: the second waits for the first's use of
+    its bytes (an event, no host synchronization), so both results are bitwise the calls' without a workspace.
+    The first stream starts each call late (a GPU sleep), so that without the wait the two would overlap."""
+    cu, H = PACKS["long"]
+    inputs, do = _data(cu, H, SEED)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+    ref = _step(inputs, do, ctx)
+    ws = kda_kcp.WorkspaceKcp(ctx, H)
+    streams = (torch.cuda.Stream(DEV), torch.cuda.Stream(DEV))
+    main = torch.cuda.current_stream(DEV)
+    for s in streams:
+        s.wait_stream(main)
+    got = []
+    for _ in range(4):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                if i == 0:
+                    torch.cuda._sleep(2_000_000)  # ~1 ms: the other stream's call starts meanwhile
+                got.append(_step(inputs, do, ctx, workspace=ws))
+    for s in streams:
+        main.wait_stream(s)
+    torch.cuda.synchronize(DEV)
+    for out in got:
+        for a, b in zip(out, ref):
+            assert torch.equal(a, b)
+
+
+def test_planned_bytes_equal_the_device_s():
+    """kda_workspace_bytes_kcp(arch=, sm_count=) on any machine equals the bytes asked of this GPU."""
+    props = torch.cuda.get_device_properties(DEV)
+    arch = f"sm_{props.major}{props.minor}a"
+    for cu, H in PACKS.values():
+        ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+        for arena, passes in (("replay", None), ("lean", 2)):
+            on_gpu = kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena=arena, lean_passes=passes)
+            planned = kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena=arena, lean_passes=passes, arch=arch,
+                                                      sm_count=props.multi_processor_count)
+            assert planned == on_gpu > 0
