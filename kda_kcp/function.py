@@ -121,6 +121,7 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
         )
     if workspace.buffer.device != torch.device(device):
         raise ValueError(f"workspace is on {workspace.buffer.device} but the inputs are on {device}")
+    workspace.begin_use()  # ordered after its previous use on another stream
     numel = exchange_elements(ctx, H, K, V)
     xbuf = workspace.take(numel, dt, device, "the KCP exchange") if numel else None
     arena = None
@@ -181,6 +182,7 @@ class ForwardCall:
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
         dt = _summary_dtype(self.backend, q, k, v, g, beta)
         xbuf, self.arena = _split_workspace(workspace, ctx, self.backend, H, K, V, dt, q.device)
+        self.workspace = workspace
         self.local = local
         self.prepared = None
         state_in = None
@@ -202,6 +204,8 @@ class ForwardCall:
             self.prepared = self.backend.fwd_prepare(s.q, s.k, s.v, s.g, s.beta, s.scale, self.local, self.arena,
                                                      output_next=True)
         o, self.prepared = self.prepared.output(s.state_in), None
+        if self.workspace is not None:
+            self.workspace.end_use()
         return o
 
 
@@ -237,6 +241,8 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
         _exchange_and_merge(ctx, prepared.summaries, plan.bwd_publish, plan.bwd_slots, plan.bwd_sources, q, v, dt,
                             xbuf, arena, dstate_out)
     grads = prepared.grads(saved.state_in, dstate_out)
+    if workspace is not None:
+        workspace.end_use()
     return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
 
 
