@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """kda_kcp against FLA 0.6.0 ``chunk_kda``: the benchmark protocol of DESIGN.md section 8.
 
-Workload: one packed batch of 4 documents (42024, 57573, 73122, 88673 tokens; T = 261392), H heads of
-dim 128, drawn on the device from a fixed seed:
+Workload (--batch default): one packed batch of 4 documents (42024, 57573, 73122, 88673 tokens; T = 261392), H
+heads of dim 128; --batch kimi-packed: 32 documents of 4096 tokens (T = 131072), --batch kimi-long: one document
+of 32768 tokens (Kimi-Linear-like shapes, to run at --heads 32). Drawn on the device from a fixed seed:
 
     q, k   randn, L2-normalised over the head dim in FP32, then BF16
     v, do  randn, BF16
-    g      logsigmoid(2 + 1.5 z), z ~ N(0, 1), clipped below at -5: FP32 in [-5, 0), mean about -0.26
-           (already activated; FLA gets the same tensor with use_gate_in_kernel=False, safe_gate=True)
+    g      --gates bench (default): logsigmoid(2 + 1.5 z), z ~ N(0, 1), clipped below at -5: FP32 in [-5, 0),
+           mean about -0.26; --gates strong: uniform in (-5, 0], mean -2.5 (trained gates bounded at -5 by a
+           sigmoid, as Kimi Linear's are); already activated: FLA gets the same tensor with
+           use_gate_in_kernel=False, safe_gate=True
     beta   sigmoid(z) clipped to [2^-8, 1 - 2^-8], BF16 (strictly inside (0, 1))
 
 Arms: ``det`` (deterministic=True), ``nd`` (deterministic=False), ``control`` (a second visit of nd),
@@ -63,6 +66,11 @@ except ImportError:  # run from a checkout without installing the package
 from kda_kcp.reference import naive_kda
 
 DEFAULT_DOCS = (42024, 57573, 73122, 88673)
+BATCHES = {"default": DEFAULT_DOCS, "kimi-packed": (4096,) * 32, "kimi-long": (32768,)}
+GATE_LAWS = {
+    "bench": "logsigmoid(2 + 1.5 z) clipped to [-5, 0)",
+    "strong": "uniform in (-5, 0]",
+}
 LAYOUTS = tuple(kda_kcp.LAYOUTS)  # contiguous, zigzag, zigzag_per_document
 ARMS = ("det", "nd", "control", "fla", "fla_cp")
 OURS = ("det", "nd", "control")
@@ -104,7 +112,9 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rewritten after every cell; \"complete\" is false until the last)")
     p.add_argument("--plot", metavar="PATH", help="draw speedup vs FLA per row to a PNG (needs matplotlib)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    p.add_argument("--docs", nargs="+", type=int, default=None, help="document lengths (overrides the batch)")
+    p.add_argument("--batch", choices=tuple(BATCHES), default="default", help="the packed batch's documents")
+    p.add_argument("--docs", nargs="+", type=int, default=None, help="document lengths (overrides --batch)")
+    p.add_argument("--gates", choices=tuple(GATE_LAWS), default="bench", help="the law g is drawn from")
     p.add_argument("--tokens-scale", type=float, default=1.0, help="scale every document length (min 1 token)")
     p.add_argument("--head-dim", type=int, default=128, help="K = V (the CUDA kernels support 128 only)")
     p.add_argument("--seed", type=int, default=0)
@@ -136,7 +146,7 @@ def parse_args(argv=None):
             p.error("--device cuda, but torch sees no CUDA device")
         if args.world > torch.cuda.device_count():
             p.error(f"--world {args.world} needs {args.world} GPUs; torch sees {torch.cuda.device_count()}")
-    docs = list(args.docs) if args.docs else list(DEFAULT_DOCS)
+    docs = list(args.docs) if args.docs else list(BATCHES[args.batch])
     if args.tokens_scale != 1.0:
         docs = [max(1, int(round(n * args.tokens_scale))) for n in docs]
     if not docs or any(n < 0 for n in docs) or sum(docs) < 1:
@@ -171,7 +181,7 @@ def cu_of(lengths) -> list[int]:
     return cu
 
 
-def draw_inputs(T, H, D, device, seed, post=lambda x: x):
+def draw_inputs(T, H, D, device, seed, post=lambda x: x, gates="bench"):
     """(q, k, v, g, beta, do) of the global batch, each passed through ``post`` (the shard) as soon as drawn.
 
     The generator is seeded from (seed, H) so every rank draws the same global tensors.
@@ -186,7 +196,10 @@ def draw_inputs(T, H, D, device, seed, post=lambda x: x):
     q = post(F.normalize(randn(T, H, D), dim=-1).to(bf16))
     k = post(F.normalize(randn(T, H, D), dim=-1).to(bf16))
     v = post(randn(T, H, D).to(bf16))
-    g = post(F.logsigmoid(randn(T, H, D).mul_(1.5).add_(2.0)).clamp_(min=-5.0))
+    if gates == "strong":
+        g = post(torch.rand(T, H, D, generator=gen, device=device, dtype=torch.float32).mul_(-5.0))
+    else:
+        g = post(F.logsigmoid(randn(T, H, D).mul_(1.5).add_(2.0)).clamp_(min=-5.0))
     beta = post(torch.sigmoid(randn(T, H)).clamp_(BETA_MIN, BETA_MAX).to(bf16))
     do = post(randn(T, H, D).to(bf16))
     return q, k, v, g, beta, do
@@ -562,7 +575,7 @@ class Bench:
         for n in lens:
             m = min(n, args.oracle_tokens)
             cut.append(m - m % unit if m >= unit else m)
-        gx = draw_inputs(self.T, Hs, D, self.device, args.seed)
+        gx = draw_inputs(self.T, Hs, D, self.device, args.seed, gates=args.gates)
         sl = [torch.cat([t[s:s + m] for s, m in zip(starts, cut)]).contiguous() for t in gx]
         del gx
         self.free()
@@ -672,8 +685,10 @@ class Bench:
             "local_arena": a.local_arena,
             "lean_passes": a.lean_passes,
             "seed": a.seed,
-            "inputs": "q,k: L2-normalised randn (BF16); v, do: randn (BF16); g: logsigmoid(2 + 1.5 z) clipped to "
-                      "[-5, 0) (FP32); beta: sigmoid(z) clipped to [2^-8, 1 - 2^-8] (BF16)",
+            "inputs": f"q,k: L2-normalised randn (BF16); v, do: randn (BF16); g: {GATE_LAWS[a.gates]} (FP32); "
+                      "beta: sigmoid(z) clipped to [2^-8, 1 - 2^-8] (BF16)",
+            "gates": a.gates,
+            "batch": a.batch if not a.docs else "docs",
             "timer": "CUDA events" if self.cuda else "time.perf_counter",
         }
         self.log(f"# kda_kcp benchmark, {meta['date_utc']}")
@@ -719,7 +734,8 @@ class Bench:
         for H in a.heads:
             for lay in layouts:
                 t_in = time.perf_counter()
-                q, k, v, g, beta, do = draw_inputs(self.T, H, self.D, self.device, a.seed, post=lay.shard)
+                q, k, v, g, beta, do = draw_inputs(self.T, H, self.D, self.device, a.seed, post=lay.shard,
+                                                         gates=a.gates)
                 x = tuple(t.requires_grad_(True) for t in (q, k, v, g, beta))
                 del q, k, v, g, beta
                 self.free()
