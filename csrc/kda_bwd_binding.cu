@@ -7,6 +7,9 @@
 #include "kda_affine_merge_binding.h"
 #include "kda_ffi_checks.h"
 
+#include "kda_build_identity.h"
+KDA_EXPORT_BUILD_IDENTITY();
+
 namespace {
 
 using namespace kda::ffi_checks;

@@ -1,7 +1,9 @@
 """Which backend runs a call: the CUDA kernels on sm_90a / sm_100a / sm_103a, else the torch backend.
 
 ``KDA_KCP_BACKEND=torch|cuda`` forces one. On a GPU without kernels the torch backend runs, with one
-warning per process. The choice is made once per (device, mode, KDA_KCP_BACKEND) and kept for the process.
+warning per process; so does a GPU whose kernels cannot be built, loaded or verified (kda_kcp.jit's
+KernelBuildError names the cause), where KDA_KCP_BACKEND=cuda raises BackendUnavailable instead. The choice is made
+once per (device, mode, KDA_KCP_BACKEND) and kept for the process.
 """
 
 from __future__ import annotations
@@ -88,5 +90,11 @@ def _select(device: torch.device, deterministic: bool, forced: str):
             raise BackendUnavailable(f"KDA_KCP_BACKEND=cuda, but the CUDA backend cannot load: {exc}") from exc
         if not _warned_fallback:
             _warned_fallback = True
-            warnings.warn(f"kda_kcp CUDA backend unavailable ({exc}); running the torch backend", RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"kda_kcp cannot use its CUDA kernels: {exc}\nRunning the torch backend, which is correct but slow. "
+                "Fix the cause above (the kernels are then built or loaded on the next run), or set "
+                "KDA_KCP_BACKEND=torch to choose the torch backend.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return _TORCH

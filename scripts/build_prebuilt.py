@@ -3,6 +3,8 @@
 
 Needs nvcc (and ninja) but no GPU:  python scripts/build_prebuilt.py --arch sm_90a sm_100a sm_103a
 A compile-time variant for an A/B (gpu_session.sh PREBUILT=...):  ... --out DIR --define KDA_WALK_HI_ONLY=1
+Each program carries its build identity (kda_kcp/jit.py): kda_kcp uses a prebuilt one only while it is of the
+checkout's sources and flags (and package version), so rebuild after changing them.
 """
 
 from __future__ import annotations

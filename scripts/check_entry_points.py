@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Load every built program (no GPU needed) and check that it exports each entry point the Python
-wrappers call (``ENTRY_POINTS`` of kda_kcp/cuda/forward.py and backward.py) and that the record sizes
-the wrappers assume match the kernels'. A renamed binding then fails CI instead of a user's first call.
+wrappers call (``ENTRY_POINTS`` of kda_kcp/cuda/forward.py and backward.py), that the record sizes
+the wrappers assume match the kernels', and that its build identity (``build_identity()``) is one the loader
+accepts as prebuilt: this program, this arch, the checkout's sources and flags. A renamed binding or a stale
+build then fails CI instead of a user's first call.
 
     python scripts/check_entry_points.py DIR        # DIR/<arch>/<program>.so, as build_prebuilt.py --out DIR
 """
@@ -13,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kda_kcp import jit  # noqa: E402
 from kda_kcp.cuda import backward, forward  # noqa: E402
 
 WRAPPERS = {"kda_fwd": forward, "kda_bwd": backward}
@@ -42,7 +45,12 @@ def main() -> int:
                 missing.append(name)
         if so.stem == "kda_fwd" and not missing and mod.fwd_record_bytes() != forward.RECORD_BYTES:
             missing.append(f"fwd_record_bytes() = {mod.fwd_record_bytes()} != RECORD_BYTES {forward.RECORD_BYTES}")
-        print(f"{so}: {'missing ' + ', '.join(missing) if missing else 'all ' + str(len(wrapper.ENTRY_POINTS)) + ' entry points'}")
+        try:
+            jit.check_prebuilt_identity(mod, so, so.stem, so.parent.name)
+        except jit.KernelBuildError as exc:
+            missing.append(f"a build identity the loader accepts ({exc})")
+        found = f"all {len(wrapper.ENTRY_POINTS)} entry points and its build identity"
+        print(f"{so}: {'missing ' + ', '.join(missing) if missing else found}")
         bad += bool(missing)
     return 1 if bad else 0
 
