@@ -3,12 +3,11 @@
 program, timed on the host on whichever thread runs them (the backward runs on autograd's device thread, which
 cProfile on the main thread does not see), from just before the start event's record.
 
-scripts/host_gap.py measures how long the GPU waits for the host in a benchmark cell; torch.profiler shows the torch
-ops and runtime calls but not the Python between them. This lists the stages with their start offsets and lengths,
-nested by time, and marks the first kernel-program call (the first launch):
+torch.profiler shows the torch ops and runtime calls but not the Python between them. This lists the stages with
+their start offsets and lengths, nested by time, and marks the first kernel-program call (the first launch):
 
-    python scripts/host_trace.py --heads 4 --op bwd          # on the GPU machine
-    python scripts/host_trace.py --heads 4 --op fwd --stub   # anywhere: CPU tensors, kernel programs stubbed
+    python scripts/profiling/host_trace.py --heads 4 --op bwd          # on the GPU machine
+    python scripts/profiling/host_trace.py --heads 4 --op fwd --stub   # anywhere: CPU tensors, kernel programs stubbed
 
 Each op runs --warm untimed times first; the trace is of the last of --iters traced runs.
 """
@@ -22,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # profile_step
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import kda_kcp  # noqa: E402
 import kda_kcp.function as function  # noqa: E402
 from kda_kcp.cuda import CudaBackend  # noqa: E402

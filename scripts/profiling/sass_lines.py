@@ -2,15 +2,15 @@
 
 A latency-bound walk issues in order, so instructions ahead of its products lengthen every step; a kernel run once
 per chunk-head pays for every instruction at its start, where its loads are exposed. Counting the SASS of a kernel
-by source line (static counts, not executions) found the address arithmetic of 67ccd12, c883d95 and the session 27
-branches (NOTES.md). Each instruction is charged to the outermost line of --in that it is inlined into (default: the
+by source line (static counts, not executions) shows where address arithmetic and spills sit (docs/kernels.md,
+"Conventions"). Each instruction is charged to the outermost line of --in that it is inlined into (default: the
 translation unit itself, i.e. the kernel's own lines; `--in kda_chunk_prep.cuh` splits the prep's shared code).
 Needs nvdisasm (`pip install nvidia-cuda-nvdisasm` and put its bin/ on PATH, or pass --nvdisasm).
 
-    python3 scripts/sass_lines.py --kernel grads_kernelILi16                  # csrc/kda_bwd.cu, sm_90a
-    python3 scripts/sass_lines.py --file kda_fwd.cu --kernel walk_kernelILb1ELi4 --top 20
-    python3 scripts/sass_lines.py --kernel prep_kernel --in kda_chunk_prep.cuh
-    python3 scripts/sass_lines.py --ops LDL STL                               # the spill sites only
+    python3 scripts/profiling/sass_lines.py --kernel grads_kernelILi16                  # csrc/kda_bwd.cu, sm_90a
+    python3 scripts/profiling/sass_lines.py --file kda_fwd.cu --kernel walk_kernelILb1ELi4 --top 20
+    python3 scripts/profiling/sass_lines.py --kernel prep_kernel --in kda_chunk_prep.cuh
+    python3 scripts/profiling/sass_lines.py --ops LDL STL                               # the spill sites only
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _SECTION = re.compile(r"^\.text\.(\S+?):")
 _WHERE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")

@@ -7,7 +7,7 @@ scripts/gpu_session.sh leaves it in $OUT/ncu_sass.csv). Our kernels separate the
 its share of the kernel's warp-stall samples, the main stall reasons inside it, and the instructions it
 executes per CTA (HMMA, LDSM, LDS, STS, MUFU, LDG / LDGSTS, STG, LDL / STL spills).
 
-    python3 scripts/stall_regions.py ncu_sass.csv --kernel grads_kernel [--ctas 65376] [--min-share 0.5]
+    python3 scripts/profiling/stall_regions.py ncu_sass.csv --kernel grads_kernel [--ctas 65376] [--min-share 0.5]
 
 `--ctas` (the grid size) turns executed warp instructions into per-CTA counts; without it they are totals.
 """

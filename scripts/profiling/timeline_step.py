@@ -6,7 +6,7 @@ The benchmark times `bwd` as the backward of an untimed forward (CUDA events aro
 ncu gives kernel durations one at a time. Neither says how much of the wall is kernels, how much is the
 walks' two streams overlapping, and how much is the GPU waiting for the host. This does:
 
-    python scripts/timeline_step.py --heads 16 --op bwd --trace $OUT/trace.json
+    python scripts/profiling/timeline_step.py --heads 16 --op bwd --trace $OUT/trace.json
 
 Prints one line per kernel (start offset and duration in us, stream, name) and a summary: the span from the
 first kernel's start to the last one's end, the time some kernel is running (the union over streams), and the
@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.utils.checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # profile_step
 import kda_kcp  # noqa: E402
 from profile_step import DOCS, step_inputs  # noqa: E402
 
