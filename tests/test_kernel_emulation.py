@@ -43,7 +43,7 @@ SCALE = 128 ** -0.5
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 TOL = {"dq": 6e-3, "dk": 6e-3, "dv": 6e-3, "dg": 1e-2, "dbeta": 1e-2}  # DESIGN.md section 7's gradient bounds
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")]
 
 
 def _emulated(src: str) -> str:
