@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Forward stage timing, W = 1, on the DESIGN.md section 8 batch: the CUDA forward (kda_kcp.cuda.forward) at
+"""Forward stage timing, W = 1, on the benchmark batch (BENCHMARKS.md): the CUDA forward (kda_kcp.cuda.forward) at
 each walk width and segment length asked for, and FLA 0.6.0 chunk_kda (safe_gate=True).
 
-Protocol as benchmarks/bench_fwd_w1.py: inputs without autograd; each timed iteration an L2 flush (512 MB
+Protocol: inputs without autograd; each timed iteration an L2 flush (512 MB
 write) and CUDA events around the call; one untimed call per arm, then `groups` groups visiting the arms
 in a palindromic order with `iters` timed iterations per visit; cell = median over groups of the group
 medians. Also the forward stages alone (prep, summary walk + fold, output walk) and each arm's error vs the
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DOCS = [42024, 57573, 73122, 88673]
 
-# ---- the forward cost model (NOTES.md, staged forward v4) ----
+# ---- the forward cost model (docs/kernels.md §2) ----
 BW = 3.5e12  # B/s reached by streaming kernels (KINDS.md copy: ~4.3 TB/s)
 PREP_BYTES = 1026 + 1096  # per token-head: reads q, k, g, beta; writes the record
 WALK_DRAM_BYTES = 1096 + 256 + 256  # reads the record once (its V tiles hit L2), v; writes o

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""kda_kcp against FLA 0.6.0 ``chunk_kda``: the benchmark protocol of DESIGN.md section 8.
+"""kda_kcp against FLA 0.6.0 ``chunk_kda``: the benchmark protocol of BENCHMARKS.md.
 
 Workload (--batch default): one packed batch of 4 documents (42024, 57573, 73122, 88673 tokens; T = 261392), H
 heads of dim 128; --batch kimi-packed: 32 documents of 4096 tokens (T = 131072), --batch kimi-long: one document
@@ -78,7 +78,7 @@ FLA_ARMS = ("fla", "fla_cp")
 NOT_RUN_AFTER_OOM = "not run: out of memory in this H's bwd cell"  # --fla-ckpt-after-bwd-oom skip
 OPS = ("fwd", "bwd", "ckpt")
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
-# DESIGN.md section 7: relative RMS tolerances against the FP64 oracle (BF16 I/O)
+# docs/design.md §10: relative RMS tolerances against the FP64 oracle (BF16 I/O)
 TOLERANCE = {"o": 4e-3, "dq": 6e-3, "dk": 6e-3, "dv": 6e-3, "dg": 1e-2, "dbeta": 1e-2}
 CONTROL_BAND = (0.98, 1.02)
 DRIFT_LIMIT = 0.02
@@ -96,7 +96,7 @@ class Unsupported(Exception):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="kda_kcp vs FLA 0.6.0 chunk_kda on the DESIGN.md section 8 workload "
+        description="kda_kcp vs FLA 0.6.0 chunk_kda on the BENCHMARKS.md workload "
         "(4 packed documents, T = 261392, head dim 128).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -879,7 +879,7 @@ def accuracy_table(acc) -> str:
             e = r["errors"][key]
             cells.append(f"{e:.2e}" + ("*" if not e <= TOLERANCE[key] else ""))
         body.append(cells)
-    body.append(["tolerance", "(DESIGN 7)", *(f"{TOLERANCE[k]:.0e}" for k in ("o", *GRAD_NAMES))])
+    body.append(["tolerance", "(design §10)", *(f"{TOLERANCE[k]:.0e}" for k in ("o", *GRAD_NAMES))])
     return md_table(header, body)
 
 

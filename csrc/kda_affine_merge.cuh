@@ -1,11 +1,11 @@
-// The affine merge in FP32 (DESIGN.md section 2), shared by the forward and the backward programs:
+// The affine merge in FP32 (docs/design.md §4), shared by the forward and the backward programs:
 // summaries (M, E) of consecutive segments folded in a fixed order along chains.
 //   fold:    X = init (a row of `init`, or zero); for j < count: X = M[first + j] X + E[first + j], each X
 //            written to out0[out + j]. The backward folds (M^T, F) listed from the run's end, the same way.
 //   compose: the whole chain's map: out0[out] = M_last ... M_first, out1[out] its offset (from [I | 0]).
 // One CTA per (chain, head, 16 state columns); warp w owns rows 16 w .. 16 w + 15 of X as mma accumulators.
 // The product M X runs on tensor cores as 3xTF32 (M and X each split into hi + lo TF32 parts; lo * lo dropped):
-// ~21 bits per product, which DESIGN.md asks of the merge (plain TF32's 11 drift over long chains). X is staged
+// ~21 bits per product, which docs/design.md §10 asks of the merge (plain TF32's 11 drift over long chains). X is staged
 // in shared memory as its split; M streams in (cp.async, two buffers) while the step before computes. The
 // FP32-FMA version it replaces was bound by its shared-memory reads of X (H200, H = 4 forward fold: 170 -> 99 us).
 // Deterministic: a fixed sequence of mma per output, then fixed-order sums and + E, in FP32.

@@ -241,9 +241,9 @@ struct RowBlocks {
 // bit 7 dV_new in dV_new v^T and A^T dV_new (dA, dv, dbeta) when bit 1 is off.
 // (Bit 5 was S in V_new = U - W S, formed here before the walks stored V_new, always split there.)
 // Default 90 (bits 1, 3, 4, 6), chosen on the CPU emulation against the FP64 oracle and the torch backend
-// (NOTES.md, "The backward v1"): dropping bits 1, 3 or 4 raised dq/dk by ~40 % or dg ten-fold (past 1e-2),
+// (docs/kernels.md §5): dropping bits 1, 3 or 4 raised dq/dk by ~40 % or dg ten-fold (past 1e-2),
 // dropping bit 6 tripled dk/dv errors with incoming state gradients; bits 0, 2, 5 cost nothing visible.
-// Measured on the H200 (session 14): 88 (bit 1 off) makes this kernel 6 % faster but W = 2 over NCCL then
+// Measured on the H200: 88 (bit 1 off) makes this kernel 6 % faster but W = 2 over NCCL then
 // disagrees with W = 1 by 2.3e-3 on dbeta (bound 2e-3) and the errors against FP64 rise to 2.4e-3 (benchmark
 // slice; FLA 3.0-3.3e-3); 216 (88 with bit 7) is that trade with dv and dbeta kept split.
 #ifndef KDA_BWD_SPLIT
@@ -259,8 +259,8 @@ constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^
 
 // The launch order of the prep and the gradient kernel: chunk-major (default: the H heads of a chunk side by side,
 // so CTAs that run at once read neighbouring bytes of the same token rows and the prep writes neighbouring records,
-// c H + h; the forward prep's order since session 24) or head-major (0: a head's chunks in turn). Measured on the
-// H200 (session 32, H = 16): the prep 4.65 -> 4.34 ms (ncu), bwd -0.31 ms; the gradient kernel unchanged.
+// c H + h; the forward prep's order too) or head-major (0: a head's chunks in turn). Measured on the
+// H200 (H = 16): the prep 4.65 -> 4.34 ms (ncu), bwd -0.31 ms; the gradient kernel unchanged.
 #ifndef KDA_BWD_CHUNK_MAJOR
 #define KDA_BWD_CHUNK_MAJOR 1
 #endif
@@ -328,9 +328,9 @@ __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
 // NW warps per CTA (4 or 8, chosen per launch), each owning 16 columns x all 128 keys.
 //
 // 8 warps cover the whole state of a (run, head) (128 value columns) in one CTA. With 4 (64 columns, two CTAs per
-// (run, head)) both CTAs load the same W, Kg, Qg, Aqk and gamma every step, and a reverse-walk CTA (148 KB of
-// shared memory, session 15; 151.5 KB with its stages on 1024-byte groups) takes an SM alone: at H = 16 the 128 reverse and 128 forward walk CTAs of the benchmark batch
-// could not all be resident, and the longest run's reverse walk started 2 ms late (timeline_step.py, session 15).
+// (run, head)) both CTAs load the same W, Kg, Qg, Aqk and gamma every step, and a reverse-walk CTA (146 KiB of
+// shared memory with its stages on 1024-byte groups) takes an SM alone: at H = 16 the 128 reverse and 128 forward walk CTAs of the benchmark batch
+// could not all be resident, and the longest run's reverse walk started 2 ms late (scripts/profiling/timeline_step.py).
 // With 8 warps 64 + 64 CTAs fit and the records are read once per step. But an 8-warp CTA steps slower than a
 // 4-warp one alone on its SM (two warps per SM sub-partition): a launch of few CTAs (the KCP exchange's run
 // summaries) is a chain of latency-bound steps, and there 4 warps are faster. kda_kcp/cuda/backward.py chooses.
@@ -792,7 +792,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
 // ================================================================================================
 // Shared memory map (bytes): phase-B tiles lie over phase-A tiles that are dead by then. G, q and k sit over
 // half 0's V_new / dV_new tiles and a gap that phase A leaves free, where they could land while half 1
-// computes; requested there (session 13), the request code cost ptxas ~80 bytes of spill and the time it saved.
+// computes; requested there, the request code cost ptxas ~80 bytes of spill and the time it saved.
 // phase A (state products, two halves of the value columns); V_new / dV_new of each half come from the
 // walks (fp16, converted to bf16 hi / lo here; transposed: [value column][token], sw64)
 constexpr int A_DO = 0;       // dO, bf16 swh [64][128] (the two value halves are wgmma's K-major A tiles)
@@ -986,7 +986,7 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
 // at 8 warps): warpgroup cg computes the 64 rows x (128 / CG or 64 / CG) columns that its four warps hold in the
 // mma.sync tiling (warp w of the group = row block 16 w), so the accumulators and the epilogues are the same. Phase A
 // and B4' at 16 warps go by product instead (kByProduct in the kernel): at n32 per group each of the four groups read
-// the whole A operand, and the phase stayed bound by its operand bytes (NOTES.md sessions 29, 30); B4' at 8 warps
+// the whole A operand, and the phase stayed bound by its operand bytes (docs/kernels.md); B4' at 8 warps
 // stays on mma.sync. No ldmatrix or operand registers either way. Products whose K range skips a row block's zero
 // blocks (A lower triangular) take the whole K range here: the added products are exact zeros. mma.sync elsewhere
 // (sm_100a / sm_103a); the same products in the same order per element, so the same bits.
@@ -1090,7 +1090,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   auto& P1 = *reinterpret_cast<float(*)[1][8][4]>(&P[0][8][0]);
   if constexpr (kByProduct) {
     // Phase A with one warpgroup per product, each over all 64 (128) columns: an operand read once per product,
-    // not once per group of 32 (16) columns (wgmma at n32 read the whole A operand four times: NOTES.md session 29).
+    // not once per group of 32 (16) columns (wgmma at n32 read the whole A operand four times).
     // Group 0: dQg (P) and dVb (Q, per half); 1: dW; 2: dKg; 3: dAqk (P0) and dAU (P1). The same products in the
     // same order per element as below, so the same bits.
     zero(P);

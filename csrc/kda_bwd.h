@@ -42,9 +42,9 @@ constexpr int kPrepBytes = 164352;
 // byte 256 z the 32 lanes' fp16 words (value x 2^-e, max |value| 2^-e of the warp's 16 x 64 in [2^14, 2^15)); 2^e
 // as fp32 at byte kVnScaleOff + 256 z + 4 w. A half lies in the bytes of U's columns of that half (U rows are 512
 // bytes too), so the walk CTA of one half never writes what the other half's CTA reads; bytes 256 z + 128 .. 255 of
-// each row hold no U (row 0's hold U's scale, row 1's the warps' scales). fp16 instead of bf16 hi + lo (session 36):
+// each row hold no U (row 0's hold U's scale, row 1's the warps' scales). fp16 instead of bf16 hi + lo:
 // half the bytes the walks store and the gradient kernel loads, at 11 significant bits (the gradients move by ~2e-4
-// of their RMS, NOTES.md, against ~1.7e-3 from the bf16 inputs and outputs).
+// of their RMS, docs/kernels.md §4, against ~1.7e-3 from the bf16 inputs and outputs).
 constexpr int kRecVn = kRecU;
 constexpr int kWalkRowBytes = 512;
 constexpr int kVnScaleOff = kWalkRowBytes + 128;
@@ -62,8 +62,8 @@ constexpr int kUScaleOff = 128;
 // 16-byte pieces into its swizzled S^T tiles. dh holds the state gradient as fp16 at a power of two per walk warp
 // (value half z, warp w: 16 value columns x 128 keys; max |dS| 2^-e in [2^14, 2^15)): at byte 16384 z + 128 (2 (16 w
 // + nt) + eh) the 32 lanes' fp16 words (lane 4 g + l: keys 8 nt + 2 l, + 1 of value column 64 z + 16 w + 8 eh + g),
-// and 2^e as fp32 at byte kDhScaleOff + 16 z + 4 w (32 KiB + 128 bytes per chunk-head; bf16 hi + lo before session
-// 36: 64 KiB, as precise for the gradients: NOTES.md).
+// and 2^e as fp32 at byte kDhScaleOff + 16 z + 4 w (32 KiB + 128 bytes per chunk-head; bf16 hi + lo
+// would take 64 KiB and be no more precise for the gradients: docs/kernels.md §4).
 constexpr int kDhStateBytes = 32768 + 128;
 constexpr int kDhHalfBytes = 16384;
 constexpr int kDhScaleOff = 32768;

@@ -291,7 +291,7 @@ struct Inputs {
 // A prep CTA's (chunk, head) from its place in launch order (linear block index b). The forward's prep is chunk-major
 // (a 1-D grid, every head of a chunk before the next chunk: CTAs that run at once read neighbouring token rows and
 // write neighbouring records; H200, ncu, H = 16: the four groups' preps 1.59 / 1.32 / 1.04 / 0.76 -> 1.56 / 1.29 /
-// 1.02 / 0.75 ms against head-major, NOTES.md session 24); the backward's is head-major (blockIdx.x = chunk,
+// 1.02 / 0.75 ms against head-major); the backward's is head-major (blockIdx.x = chunk,
 // blockIdx.y = head). 32-bit arithmetic: the bindings check chunks x heads < 2^31.
 template <class Rec>
 __device__ __forceinline__ unsigned launch_index() {
@@ -318,8 +318,8 @@ __device__ __forceinline__ int2 own_chunk_head(int H) {
 
 // Pull into L2 the g, k and q rows of the CTA about one wave later in launch order (linear block index + 2 x SMs:
 // two prep CTAs fit an SM), so that its loads at its start hit L2. Called before W, a few microseconds before that
-// CTA starts: session 8 pulled a whole CTA lifetime early and lost to evictions; session 12 measured this one
-// (fwd prep 5.1 -> 4.7 ms at H = 16, NOTES). A hint only: a wrong guess costs bandwidth, never correctness.
+// CTA starts: pulling a whole CTA lifetime early loses to evictions; this one measured
+// fwd prep 5.1 -> 4.7 ms at H = 16. A hint only: a wrong guess costs bandwidth, never correctness.
 template <class Rec>
 __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
   static_assert(NT == 256, "each thread takes line tid % 8 of rows tid / 8 and tid / 8 + 32");

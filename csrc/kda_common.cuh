@@ -209,7 +209,7 @@ __device__ __forceinline__ int swz(int r, int c) {
 // (every caller's block corner). Then the chunk is (c0 / 8) ^ ch ^ (rl & 7) and, since the swizzle
 // permutes chunks within a row, the byte offset is (lane part) ^ (2 c0) + (row part): the lane part is
 // computed once per kernel and each fragment load costs one XOR, where swz<RL> on the full indices cost
-// a chain of integer ops per load (a third of the walks' issued instructions, ncu, NOTES.md session 5).
+// a chain of integer ops per load (a third of the walks' issued instructions, by ncu).
 template <int RL, class T>
 __device__ __forceinline__ const T* frag_ptr(const T* t, int r0, int c0, int rl, int ch) {
   if constexpr (RL == kRowsSwh) return frag_ptr<64>(t + ((c0 >> 6) << 12), r0, c0 & 63, rl, ch);  // a 16-column block lies in one half
@@ -243,7 +243,7 @@ __device__ __forceinline__ void st_global_pinned(void* p, uint32_t x) {
   asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(x));
 }
 // The same at byte OFF from p, the offset carried in the instruction: an asm address operand is a register, so an
-// offset added in C++ costs a 64-bit add per store (two IADD3; 128 per step in the reverse walk, NOTES.md session 27).
+// offset added in C++ costs a 64-bit add per store (two IADD3; 128 per step in the reverse walk).
 template <int OFF>
 __device__ __forceinline__ void st_global_pinned_at(void* p, uint32_t x) {
   asm volatile("st.global.b32 [%0+%2], %1;\n" ::"l"(p), "r"(x), "n"(OFF));

@@ -1,4 +1,4 @@
-// KDA chunked forward (v4, "staged": DESIGN.md section 9 v1), head dim 128, chunk 64:
+// KDA chunked forward (staged: docs/kernels.md §1-3), head dim 128, chunk 64:
 //   1. prep_kernel, one CTA per (chunk, head), 2 CTAs per SM: cumsum, anchored operands, L and Aqk on
 //      tensor cores, A = (I + L)^-1 in FP32, W = A diag(beta) (K o exp G); writes one record per
 //      (chunk, head) (kda_fwd.h): -W, Qg, Kg, Aqk and A diag(beta) (fp16; Aqk and A diag(beta) lower
@@ -13,7 +13,7 @@
 //      chunk c is computed. OUT: writes o. !OUT: [M | E] summary tiles from [I | 0].
 //   3. the affine merge of segment summaries (FP32 states, 3xTF32 products; kda_affine_merge.cuh, shared with the
 //      backward).
-// Precision (NOTES.md, session 20): the walk's operands are fp16 (11 significant bits; bf16 has 8), one
+// Precision (docs/kernels.md §2): the walk's operands are fp16 (11 significant bits; bf16 has 8), one
 // tensor-core product each where bf16 needed hi + lo pairs (two or three products): W, Qg, Kg, Aqk and
 // A diag(beta) from the prep, S and V_new rounded from their FP32 accumulators, V converted from bf16. fp16's range
 // is narrow (6e-5 .. 65504), so each warp scales its operands S, V, V_new by a power of two that follows the
@@ -148,7 +148,7 @@ __device__ __forceinline__ void rescale(float (&ST)[16][4], float r) {
 
 // bytes [FROM, FROM + BYTES) of a record to the same offsets in shared memory, 16-byte pieces tid + NT k: the sizes are
 // compile-time, so the loop unrolls into copies at fixed offsets from one pointer pair per thread (a generic loop with
-// its bound checks and 64-bit index arithmetic was ~340 of the walk step's instructions, NOTES.md session 26)
+// its bound checks and 64-bit index arithmetic was ~340 of the walk step's instructions)
 template <int NT, int FROM, int BYTES>
 __device__ __forceinline__ void copy_range(char* smem, const char* rec, int tid) {
   static_assert(FROM % 16 == 0 && BYTES % 16 == 0, "16-byte pieces");

@@ -13,11 +13,11 @@ namespace kda {
 
 constexpr int kStateDim = 128;  // K = V = head dim
 
-// Variants for A/Bs, not the default (NOTES.md, sessions 5 and 6): the backward's walks carry S (in V_new = U - W S)
+// Variants for A/Bs, not the default (docs/kernels.md, rejected ideas): the backward's walks carry S (in V_new = U - W S)
 // and V_new (in the rank-16 update S += V_new^T Kg) as bf16 hi + lo, two tensor-core products each. (The forward's
-// walk takes fp16 operands since session 20, with its own knobs in kda_fwd.cu; these measurements are of its bf16
+// walk takes fp16 operands, with its own knobs in kda_fwd.cu; these measurements are of its bf16
 // form.)
-//   KDA_WALK_HI_ONLY = 1: both as hi only. On the H200 (session 6): fwd -7 %, bwd -2 %, o vs FP64 2.4e-3 ->
+//   KDA_WALK_HI_ONLY = 1: both as hi only. On the H200: fwd -7 %, bwd -2 %, o vs FP64 2.4e-3 ->
 //                         2.9e-3, but segmentations and KCP pieces then disagree by 1.7-2.9e-3 (bound 1e-3).
 //   KDA_WALK_VN_HI_ONLY = 1: V_new (dV_new in the reverse walk) as hi only in the rank-16 update, S kept
 //                         hi + lo (not run on a GPU).

@@ -9,7 +9,7 @@ namespace kda {
 // layout `at(r, c)` (element offset) repeats every ld elements per row across a pass: rows >= nvalid are zero-filled.
 // A thread's pieces p = tid + NT k keep their column, so the tile offset and the source advance by constants: the
 // address arithmetic is done once per call, not per piece (per piece it was most of the walks' stage-load
-// instructions: ncu, NOTES.md sessions 8 and 26). RPI rows per pass; a swizzled layout must repeat within RPI rows.
+// instructions, by ncu). RPI rows per pass; a swizzled layout must repeat within RPI rows.
 // LOWER: a block lower triangular matrix (16 x 16 blocks) whose strictly upper blocks are not in memory: their
 // pieces are zero-filled without a read (the backward's Aqk, A and P, kda_bwd.h).
 template <int NT, int ROWS, int PR, bool LOWER = false, class T, class At>

@@ -1,7 +1,7 @@
 """Chunk stages of the torch backend, parallel over (chunk, head): ``chunk_prep``, ``fwd_o``, ``chunk_grads``.
 
 Tensors here are chunked: [N, H, C, D] (N chunks, C = 64 rows, padding rows are zero and contribute
-nothing). Notation of DESIGN.md section 1, per chunk and head:
+nothing). Notation of docs/design.md §2, per chunk and head:
 
     G = cumsum(g),  gamma = exp(G_last),  Dec_ijd = exp(G_id - G_jd) for i >= j (0 above the diagonal)
     P_ij  = sum_d k_id k_jd Dec_ijd,        L = strict_lower(Diag(beta) P),  A = (I + L)^-1
@@ -159,7 +159,7 @@ def chunk_grads(q, k, v, g, beta, do, h, dh, scale: float):
 
 def _grads_slab(q, k, v, g, beta, do, S, dSn, scale, incl, strict, stored=None):
     """One slab's chunk gradients. ``stored`` (None here) maps (V_new, dV_new, S, dS_next) to the values the
-    gradients are then formed from: scripts/walk_store_precision.py rounds them there as the CUDA walks store them."""
+    gradients are then formed from (a precision model rounds them there as the CUDA walks store them)."""
     G, pw, P, A, Kexp, W, U, Aqk, Qg, Kg, gamma = _prep_slab(q, k, v, g, beta, scale, incl, strict)
     b = beta.unsqueeze(-1)
     T_ = lambda x: x.transpose(-1, -2)  # noqa: E731

@@ -15,7 +15,7 @@ __all__ = ["KcpContext", "build_context_kcp"]
 
 
 class KcpContext:
-    """One rank's view of a packed batch split over a group (see DESIGN.md section 2).
+    """One rank's view of a packed batch split over a group (docs/design.md §3).
 
     Attributes: ``cu_seqlens`` (list of global offsets), ``layout``, ``group``, ``world_size``, ``rank``,
     ``pieces`` (this rank's (start, end) global ranges, local order), ``token_index`` (global position of

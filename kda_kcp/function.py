@@ -1,6 +1,6 @@
 """One KCP call, forward and backward, and the two autograd nodes around it (KdaKcpInputs, KdaKcpOutput).
 
-Forward (DESIGN.md section 2): summaries of the runs whose document continues later -> one all-gather
+Forward (docs/design.md §4): summaries of the runs whose document continues later -> one all-gather
 -> affine merge into each run's incoming state -> fwd_output. Backward mirrors it with (M^T, F) of the
 runs whose document started earlier, folded from the document end into each run's outgoing state
 gradient, then the local gradients.

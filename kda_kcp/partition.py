@@ -1,8 +1,8 @@
 """How one packed batch is split over the ranks of a group (host only, pure functions).
 
 A *piece* is a contiguous run of global tokens ``(start, end)`` held by one rank. ``partition_kcp``
-returns, for every rank, its pieces in local order. Parts are "equal" in the sense of DESIGN.md
-section 2: sizes differ by at most one token, and no divisibility is required.
+returns, for every rank, its pieces in local order. Parts are "equal" in the sense of docs/design.md
+§3: sizes differ by at most one token, and no divisibility is required.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """FP64 oracle: the KDA recurrence walked token by token over packed documents.
 
-This is the definition every other path is checked against (DESIGN.md section 1):
+This is the definition every other path is checked against (docs/design.md §1):
 
     S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t
 

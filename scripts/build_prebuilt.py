@@ -2,7 +2,7 @@
 """Build every program of build.json for the given archs into kda_kcp/prebuilt/<arch>/ (or --out DIR).
 
 Needs nvcc (and ninja) but no GPU:  python scripts/build_prebuilt.py --arch sm_90a sm_100a sm_103a
-A compile-time variant for an A/B (gpu_session.sh PREBUILT=...):  ... --out DIR --define KDA_WALK_HI_ONLY=1
+A compile-time variant for an A/B (gpu_session.sh PREBUILT=...):  ... --out DIR --define NAME=VALUE
 Each program carries its build identity (kda_kcp/jit.py): kda_kcp uses a prebuilt one only while it is of the
 checkout's sources and flags (and package version), so rebuild after changing them.
 """

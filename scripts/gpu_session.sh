@@ -15,7 +15,7 @@
 #              gradient kernel's warps, KDA_KCP_BWD_GRADS_WARPS = 8 16), no FLA, no oracle
 #   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16 (or each H in $NCU_HEADS)
 #   ncu_src    Nsight Compute, every section and per-instruction stall samples, on the kernels in $NCU_KERNELS
-#              (names joined by |), summed per phase by scripts/stall_regions.py
+#              (names joined by |), summed per phase by scripts/profiling/stall_regions.py
 #   sanitize   compute-sanitizer memcheck, racecheck, initcheck on one small fwd + bwd (scripts/profile_step.py)
 #   demo       python -m kda_kcp.demo (the README's main command)
 #   cache      pack Triton's cache (binaries, metadata, autotune results) into $OUT/triton-cache-xz-part-* (xz); carry
@@ -24,7 +24,7 @@
 # Setup (always): install the carried wheels (.whl), copy the prebuilt .so files from .build/prebuilt/<arch>
 # (built without a GPU: scripts/build_prebuilt.py; or from $PREBUILT/<arch>: carry several build folders and
 # run the stages once per folder to compare builds), unpack .build/triton-cache.tgz and the parts in
-# .build/triton-cache/ (xz, or gzip from older sessions) if carried.
+# .build/triton-cache/ (xz, or gzip from older parts) if carried.
 # Logs are packed into $OUT/logs.tgz at the end (the device returns at most 8 files).
 # Device command, from the repository root, carrying .whl, .build/prebuilt, .build/triton-cache:
 #   bash scripts/gpu_session.sh warm tests nccl bench1 cache
@@ -46,7 +46,7 @@ if [ -d "$PREBUILT/$arch" ]; then
 fi
 mkdir -p ~/.triton
 if [ -f .build/triton-cache.tgz ]; then tar xzf .build/triton-cache.tgz -C ~/.triton; fi
-# the cache stage's parts: xz (cache-xz-part-*, ~30x smaller than the tree: 200 MB -> 7 MB) or gzip (older sessions)
+# the cache stage's parts: xz (cache-xz-part-*, ~30x smaller than the tree: 200 MB -> 7 MB) or gzip (older parts)
 xzp=$(ls .build/triton-cache/*xz-part-* 2> /dev/null); gzp=$(ls .build/triton-cache/*part-* 2> /dev/null | grep -v xz-part)
 # xz on a pipe, through Python's lzma where the machine has no xz binary
 xzc() { if command -v xz > /dev/null; then xz -6 -T0; else python3 -c "import lzma, shutil, sys
@@ -127,7 +127,7 @@ for st in "$@"; do
       ncu -i /tmp/src.ncu-rep --page details --print-details all > "$OUT/ncu_details.txt" 2>&1
       ncu -i /tmp/src.ncu-rep --page source --csv --print-source sass > "$OUT/ncu_sass.csv" 2>&1
       IFS='|' read -ra names <<< "${NCU_KERNELS:-grads_kernel}"
-      for k in "${names[@]}"; do python3 scripts/stall_regions.py "$OUT/ncu_sass.csv" --kernel "$k" | tee -a "$OUT/stall_regions.md"; done;;
+      for k in "${names[@]}"; do python3 scripts/profiling/stall_regions.py "$OUT/ncu_sass.csv" --kernel "$k" | tee -a "$OUT/stall_regions.md"; done;;
     sanitize)  # compute-sanitizer on one small fwd + bwd (segmented walks forced), each tool as time allows
       for tool in memcheck racecheck initcheck; do
         if [ "$(left)" -lt 40 ]; then add "sanitize $tool: no time left"; continue; fi

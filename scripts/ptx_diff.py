@@ -2,11 +2,11 @@
 """Is the code that will be merged the code that was measured? Compare the PTX of two builds of the kernels.
 
 A build measured on the GPU is often made from an experiment branch with a compile-time switch; what lands on
-main is the same idea as plain code. Session 12 saw a source change with the same meaning compile to different
-code and run 6 % slower, so the merged tree's PTX is diffed against the measured one before the measurement is
+main is the same idea as plain code. A source change with the same meaning can compile to different code and run
+slower (one ran 6 % slower), so the merged tree's PTX is diffed against the measured one before the measurement is
 quoted for it. Each side is a git revision (`git archive`) or a directory, with its own -D defines:
 
-    python3 scripts/ptx_diff.py main next/prep-l2-ahead --defines-b KDA_PREP_L2_AHEAD=2
+    python3 scripts/ptx_diff.py main my-experiment --defines-b MY_SWITCH=2
     python3 scripts/ptx_diff.py HEAD . --arch sm_90a sm_100a --files csrc/kda_fwd.cu
 
 Needs nvcc (no GPU). Comments, .loc / .file lines and the per-build hashes of anonymous namespaces are dropped

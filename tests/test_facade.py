@@ -1,4 +1,4 @@
-"""The facade's routing rules and the mode packages' own entries (DESIGN.md section 3)."""
+"""The facade's routing rules and the mode packages' own entries (docs/design.md §6)."""
 
 import warnings
 

@@ -1,5 +1,5 @@
 """The forward's segment choice (kda_kcp.cuda.forward.choose_segment_chunks), a pure function of the runs' lengths,
-the head count and the SM count, against the lengths measured best on the H200 (NOTES.md, sessions 12, 17, 18, 19)."""
+the head count and the SM count, against the lengths measured best on the H200."""
 
 from kda_kcp.cuda import forward as cf
 
@@ -20,13 +20,13 @@ def test_segments_where_the_gpu_would_idle(monkeypatch):
     monkeypatch.delenv("KDA_KCP_SEG_CHUNKS", raising=False)
     # W = 2, H = 16, contiguous rank 1: 347-chunk segments measured best of auto (42) / 173 / 347 / whole runs
     assert 173 < cf.choose_segment_chunks([658, 1386], 16, 132) < 700
-    # W = 1, H = 4: segmented (463-chunk segments measured 30 % slower than 28-88; 139 and 42 equal, session 19)
+    # W = 1, H = 4: segmented (463-chunk segments measured 30 % slower than 28-88; 139 and 42 equal)
     assert cf.choose_segment_chunks(BENCH, 4, 132) < 463
 
 
-def test_the_w2_choices_measured_in_session_19(monkeypatch):
-    """Every rank's choice at W = 2 (fwd, H = 4 / 16 / 64). Session 19 measured these against the list-scheduling
-    bound's (main before): fwd as fast or faster in all 9 cells, contiguous H = 64 18.5 against 22.0 ms."""
+def test_the_w2_choices_measured_on_the_h200(monkeypatch):
+    """Every rank's choice at W = 2 (fwd, H = 4 / 16 / 64), measured against the plain list-scheduling
+    bound's choices: fwd as fast or faster in all 9 cells, contiguous H = 64 18.5 against 22.0 ms."""
     monkeypatch.delenv("KDA_KCP_SEG_CHUNKS", raising=False)
     ranks = {"contiguous": ([657, 900, 486], [658, 1386]), "zigzag": ([657, 365, 1022], [536, 1143, 365]),
              "zigzag_per_document rank 1": ([329, 451, 572, 694],)}

@@ -12,6 +12,8 @@ import kda_kcp
 import kda_kcp.exchange as exchange
 from helpers import gather_global, make_inputs, offsets, rel_rms, run_distributed, step
 
+pytestmark = pytest.mark.slow  # spawned gloo groups: over a minute on two cores
+
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 CASES = {
     "ragged": [1, 0, 299, 150, 161],  # T = 611 (no layout divides it), a one-token and an empty document

@@ -41,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 EMU = Path(__file__).resolve().parent / "emulation"
 SCALE = 128 ** -0.5
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")
-TOL = {"dq": 6e-3, "dk": 6e-3, "dv": 6e-3, "dg": 1e-2, "dbeta": 1e-2}  # DESIGN.md section 7's gradient bounds
+TOL = {"dq": 6e-3, "dk": 6e-3, "dv": 6e-3, "dg": 1e-2, "dbeta": 1e-2}  # docs/design.md §10's gradient bounds
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")]
 
 
 def _emulated(src: str) -> str:
@@ -257,8 +257,7 @@ def _walk_outputs(lib, plan, inputs, do, sin, dso, warps):
 def test_walks_on_mma_sync_equal_wgmma(emu, emu_mma):
     """The backward's walks and summaries built without wgmma (the sm_100a / sm_103a kernels, whose mma.sync path no
     GPU here runs) give the bits of the wgmma build (the sm_90a kernels): the same products in the same order, the
-    emulated tensor cores summing each k16 step in FP64 alike. (On the H200 the two forms also agreed bit for bit:
-    NOTES.md session 28.)"""
+    emulated tensor cores summing each k16 step in FP64 alike. (On the H200 the two forms also agree bit for bit.)"""
     plan, inputs, do, sin, dso = _case([0, 70, 230], 2, 5)
     for warps in (8, 4):
         a = _walk_outputs(emu, plan, inputs, do, sin, dso, warps)

@@ -110,7 +110,7 @@ def test_bad_layout_and_world_size():
 @pytest.mark.parametrize("W", [2, 3, 8])
 def test_chunks_follow_the_document_grid(layout, W):
     """Every chunk lies on its document's 64-token grid, so a KCP run computes the same chunks as W = 1
-    except where a piece boundary cuts one (DESIGN.md section 1, kda_kcp/plan.py)."""
+    except where a piece boundary cuts one (docs/design.md §2, kda_kcp/plan.py)."""
     cu = offsets([1, 0, 299, 150, 1611, 64, 700])
     single = {(s, s + n) for run in build_plan(cu, [[(0, cu[-1])]]).rank_runs[0] for s, n in
               ((run.global_start + o, n) for o, n in run.chunk_offsets())}

@@ -1,8 +1,4 @@
-"""The FP64 oracle against the recurrence written literally with explicit matrices, and the demo's run."""
-
-import re
-import subprocess
-import sys
+"""The FP64 oracle against the recurrence written literally with explicit matrices."""
 
 import torch
 
@@ -43,14 +39,3 @@ def test_first_token_closed_form_and_document_isolation():
     v2[:3] += 1.0  # change document 0 only
     assert torch.equal(naive_kda(q, k, v2, g, beta, cu)[3:], naive_kda(q, k, v, g, beta, cu)[3:])
 
-
-def test_demo_runs():
-    out = subprocess.run(
-        [sys.executable, "-m", "kda_kcp.demo", "--docs", "70", "1", "0", "45", "--heads", "2", "--dim", "16", "--world", "2"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "checkpoint step equals the plain step bitwise: True" in out.stdout
-    assert out.stdout.count("rel-RMS vs FP64") == 6 and out.stdout.rstrip().endswith("done")
-    errors = [float(x) for x in re.findall(r"(?:o|dq|dk|dv|dg|dbeta) (\d\.\de[-+]\d\d)", out.stdout)]
-    assert len(errors) == 36 and max(errors) < 4e-3, errors  # BF16 outputs round at ~1.7e-3

@@ -1,9 +1,9 @@
-"""scripts/sass_lines.py (static SASS instructions per source line) on a small hand-made nvdisasm -gi page."""
+"""scripts/profiling/sass_lines.py (static SASS instructions per source line) on a small hand-made nvdisasm -gi page."""
 
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sass_lines.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profiling" / "sass_lines.py"
 spec = importlib.util.spec_from_file_location("sass_lines", SCRIPT)
 sass_lines = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sass_lines)

@@ -1,11 +1,11 @@
-"""scripts/stall_regions.py (the ncu_src stage's per-phase summary) on a small hand-made SASS page."""
+"""scripts/profiling/stall_regions.py (the ncu_src stage's per-phase summary) on a small hand-made SASS page."""
 
 import csv
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "stall_regions.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profiling" / "stall_regions.py"
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
           "stall_barrier", "stall_wait"]
 

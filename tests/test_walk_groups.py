@@ -20,7 +20,7 @@ def test_group_runs_rule():
     lengths = {0: 657, 1: 900, 2: 1143, 3: 1386}
     assert cb.group_runs(lengths, 4) == [[0], [1], [3, 2]]  # 1143 >= 0.75 * 1386; 900 and 657 are not
     assert cb.group_runs(lengths, 3) == [[0], [1], [3, 2]]
-    assert cb.group_runs(lengths, 2) == [[1, 0], [3, 2]]  # the rule before session 16
+    assert cb.group_runs(lengths, 2) == [[1, 0], [3, 2]]  # at most 2 groups
     assert cb.group_runs({5: 10, 6: 10, 7: 9}, 4) == [[5, 6, 7]]  # alike: one group (no pipeline)
     assert cb.group_runs({0: 100, 1: 50, 2: 25, 3: 12, 4: 6}, 4) == [[3, 4], [2], [1], [0]]  # the cap
 
@@ -40,7 +40,7 @@ def test_walk_groups_of_the_benchmark_batch(monkeypatch):
 
 
 def test_segmented_walks_in_halves(monkeypatch):
-    """The benchmark batch's walks in 45-chunk segments at H = 4 (the estimate's choice there before session 29):
+    """The benchmark batch's walks in 45-chunk segments at H = 4 (a forced length):
     two groups of whole segments, the first half of the chunk table and the second, every segment in exactly one,
     both walk tables split alike."""
     monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "45")
@@ -71,11 +71,10 @@ def test_walk_groups_cap_is_checked(monkeypatch):
 
 def test_segment_choice_credits_the_pipelined_gradients(monkeypatch):
     """choose_segment_chunks counts the gradient time that whole-run walks hide (_pipelined_gradients) and the two
-    walk chains as running at once. The choices below are the measured best ones on the H200 (NOTES.md, sessions
-    12, 16, 18 and 29)."""
+    walk chains as running at once. The choices below are the measured best ones on the H200."""
     for var in ("KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_PIPELINE", "KDA_KCP_BWD_WALK_GROUPS", "KDA_KCP_BWD_WALK_STREAMS"):
         monkeypatch.delenv(var, raising=False)
-    # W = 1: whole runs at every H (session 29, H = 4: 8.44 ms against 9.14 / 9.05 ms for 45 / 90-chunk segments)
+    # W = 1: whole runs at every H (H = 4: 8.44 ms against 9.14 / 9.05 ms for 45 / 90-chunk segments)
     bench = [657, 900, 1143, 1386]
     assert [cb.choose_segment_chunks(bench, H, 132) for H in (4, 16, 64)] == [1386, 1386, 1386]
     # W = 2, H = 16, the rank whose runs were segmented: contiguous rank 1, zigzag rank 1 (whole runs were 1.7 and
@@ -87,7 +86,7 @@ def test_segment_choice_credits_the_pipelined_gradients(monkeypatch):
     assert hidden == min(1386 - 658, cb.GRAD_STEP_COST * 16 * 658 / 132)
     # an empty run has no walk, hence no group: it neither adds time nor widens the first group's window
     assert cb._pipelined_gradients([0, 300, 658, 1386, 0], 16, 132) == cb._pipelined_gradients([300, 658, 1386], 16, 132)
-    # no pipeline, nothing hidden: with the chains at once still whole runs (session 18 measured them 1.7 and 2.1 ms
+    # no pipeline, nothing hidden: with the chains at once still whole runs (measured 1.7 and 2.1 ms
     # faster than the 66- and 77-chunk segments the estimate chose when it counted the chains one after the other)
     monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
     assert cb.choose_segment_chunks([658, 1386], 16, 132) == 1386
@@ -129,7 +128,7 @@ def test_kcp_summary_segment_choice(monkeypatch):
 
 def test_walk_pieces_rule_and_tables(monkeypatch):
     """walk_pieces: 4 pieces while the walks' CTAs all fit on the GPU (the benchmark batch at H = 4 and 16, measured
-    faster there in session 31), 1 at H = 64; the knob forces a count and is checked. The pieces of a group: block j
+    faster there), 1 at H = 64; the knob forces a count and is checked. The pieces of a group: block j
     of every run, the chain's first piece from the run's own state (src 0, idx = run), the others from the hand-off
     slot of their row (src 1, idx = row); the reverse chain from the last block down; every chunk in one block."""
     for var in ("KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_WALK_PIECES", "KDA_KCP_BWD_WALK_GROUPS"):

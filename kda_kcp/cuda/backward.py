@@ -3,7 +3,7 @@
     bwd_grads      dq, dk, dv, dg, dbeta of every run from its incoming state and outgoing state gradient
     bwd_summaries  (M^T, F) of listed runs from a zero state gradient: dS_in = Mt dS_out + F
 
-Stages (v1, staged; NOTES.md, backward v1): a prep kernel per (chunk, head) writes one 160.5 KiB record
+Stages (docs/kernels.md §1, §4, §5): a prep kernel per (chunk, head) writes one 160.5 KiB record
 (W, Kg, s Qg as bf16; Aqk as bf16 hi + lo, A as bf16 hi; U as fp16 at a power of two; P as fp32; gamma; room for
 dV_new); a forward walk per (run, head) (one 8-warp CTA of all 128 value columns) writes h (the state entering each chunk) and V_new over U; a reverse
 walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the summaries (the two walks,
@@ -67,7 +67,7 @@ def _warps(var: str, default: int) -> int:
 
 def _grads_warps() -> int:
     """Warps per CTA of the gradient kernel: 16 (the default: half the accumulator registers per thread,
-    twice the warps per SM; 47.9 ms against 69.9 ms for 8 warps, bwd at H = 16, NOTES.md session 3)
+    twice the warps per SM; 47.9 ms against 69.9 ms for 8 warps, bwd at H = 16 on the H200)
     or 8 (``KDA_KCP_BWD_GRADS_WARPS=8``)."""
     return _warps("KDA_KCP_BWD_GRADS_WARPS", 16)
 
@@ -86,7 +86,7 @@ def _both_walks(rev_chain, fwd_chain, device) -> None:
     so the backward stays bitwise repeatable. A CTA of each does not fit on one SM (shared memory): the
     overlap is between the segmented chains' summaries and folds (bwd at H = 4: -0.21 ms with the walks too).
     The walks themselves go through ``_pipelined_walks_and_grads`` when there are walk groups; run together, the
-    two walks are bound by DRAM bandwidth even when a CTA of each fits on one SM (NOTES.md, sessions 6 and 9)."""
+    two walks are bound by DRAM bandwidth even when a CTA of each fits on one SM (docs/kernels.md §4)."""
     if torch.device(device).type != "cuda" or not _walk_streams():  # (the CPU emulation of the kernels)
         rev_chain()
         fwd_chain()
@@ -129,7 +129,7 @@ def _tables(plan, device):
 SEG_CTA_OVERHEAD = 2.0  # start-up of one walk CTA, in chunk steps
 FOLD_STEP_COST = 1.0  # one fold step, in chunk steps
 # The gradient kernel on one (chunk, head), in the estimate's unit (half a walk step, ~1.6 us on the H200): one
-# 16-warp CTA per SM, 19.5 ms for the 65,344 chunk-heads of H = 16 on 132 SMs is ~39 us (NOTES.md, session 18).
+# 16-warp CTA per SM, 19.5 ms for the 65,344 chunk-heads of H = 16 on 132 SMs is ~39 us.
 GRAD_STEP_COST = 25.0
 
 
@@ -156,12 +156,12 @@ def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
     (non-final segment, head) for a summary, one tile per SM at a time. That is the unit it was calibrated in
     (4-warp walk CTAs of 64 columns); the kernels now run a (segment, head) as one 8-warp CTA of 128 columns,
     and counting such a CTA as one slot chose 66-chunk segments at H = 16, measured 38.4 ms against 32.3 ms
-    for whole runs (NOTES.md, session 15). Whole runs are credited with the gradient time their pipelined walk groups
+    for whole runs. Whole runs are credited with the gradient time their pipelined walk groups
     hide (``_pipelined_gradients``; with ``KDA_KCP_BWD_PIPELINE=1``, the default; the lean path's passes do not
     pipeline, and use the same choice). The forward and reverse chains run at once on two streams (the default,
     ``_walk_streams``): their tiles share the SMs and the longest segment's steps count once. Counted one after the
-    other (as before session 29), the estimate chose 45-chunk segments for the benchmark batch at H = 4, measured
-    9.14 ms against 8.44 ms for whole runs (NOTES.md, session 29). ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0``
+    other, the estimate chose 45-chunk segments for the benchmark batch at H = 4, measured
+    9.14 ms against 8.44 ms for whole runs. ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0``
     keeps whole runs."""
     longest = max(run_chunks, default=1)
     streams = _walk_streams()
@@ -209,7 +209,7 @@ def _pipelined_gradients(run_chunks: list[int], heads: int, sms: int) -> float:
     up to (longest - its longest run) units (its two walks run at once); all of them within the first group's
     window. Segmented walks end together and hide almost none. Without it the estimate chose 66- and 77-chunk
     segments for one rank's runs at W = 2, H = 16 (contiguous [658, 1386], zigzag [536, 1143, 365] chunks),
-    measured 1.7 and 2.1 ms slower than whole runs (NOTES.md, session 18)."""
+    measured 1.7 and 2.1 ms slower than whole runs."""
     lengths = {r: c for r, c in enumerate(run_chunks) if c > 0}  # an empty run has no walk, so no group
     groups = group_runs(lengths, _max_walk_groups())
     if len(groups) < 2:
@@ -233,7 +233,7 @@ REV_SUMMARY_SMS = 4
 def walk_warps(demand4: int, sms: int) -> int:
     """Warps per walk or summary CTA of a launch (csrc/kda_bwd.cu WalkShape): 4 (64 state columns per CTA) when
     ``demand4``, the SMs the launch (with whatever runs beside it) takes at 4 warps, fits on the GPU, else 8 (128
-    columns: the records read once per step, half the CTAs; NOTES.md session 15). An 8-warp CTA steps slower than a
+    columns: the records read once per step, half the CTAs; docs/kernels.md §4). An 8-warp CTA steps slower than a
     4-warp one alone on its SM, so a launch that fits keeps 4. ``KDA_KCP_BWD_WALK_WARPS=4`` or ``8`` forces one (A/Bs;
     the results are bitwise equal either way). A pure function of the shapes."""
     v = os.environ.get("KDA_KCP_BWD_WALK_WARPS", "auto").strip()
@@ -306,7 +306,7 @@ def table_knobs() -> tuple:
             os.environ.get("KDA_KCP_BWD_WALK_PIECES", ""))
 
 
-# One composed segment, in chunk steps. Fitted to session 19's probe (one published run, H200): at H = 16, 486 chunks
+# One composed segment, in chunk steps. Fitted to a probe of one published run (H200): at H = 16, 486 chunks
 # took 0.575 / 0.638 / 0.705 / 0.754 ms in segments of 64 / 32 / 27 / 16 chunks, 1386 chunks 1.573 / 1.635 / 1.887
 # ms in 64 / 32 / 16 (whole runs 1.383 and 3.816 ms): more segments than the GPU needs cost more than the fold's
 # 1 step each.
@@ -583,12 +583,12 @@ MAX_WALK_GROUPS = 4  # (two streams each)
 
 
 def _max_walk_groups() -> int:
-    """Walk groups at most (``KDA_KCP_BWD_WALK_GROUPS``, 2..4; default 4; 2 was the rule until session 16)."""
+    """Walk groups at most (``KDA_KCP_BWD_WALK_GROUPS``, 2..4; default 4)."""
     return int(env_choice("KDA_KCP_BWD_WALK_GROUPS", str(MAX_WALK_GROUPS), ("2", "3", "4")))
 
 
 WALK_PIECES = 4  # launches per whole-run walk chain when the walks leave SMs to the gradient kernel (walk_pieces)
-# A reverse walk step over a forward one (session 31, H = 4: 3.70 / 2.71 ms for the 1,386 chunks of the longest run):
+# A reverse walk step over a forward one (H200, H = 4: 3.70 / 2.71 ms for the 1,386 chunks of the longest run):
 # orders the pieces' gradient launches by when their chunks' h and dh are both written (nothing else depends on it)
 REV_STEP_RATIO = 1.37
 
@@ -598,7 +598,7 @@ def walk_pieces(rows: int, heads: int, warps: int, sms: int) -> int:
     the GPU at once (at 4 warps a (row, head) takes WALK_SMS SMs, at 8 warps 2: one reverse and one forward CTA per
     SM), so that the gradients of the chunks both walks have passed run beside the rest of the walks, and each next
     piece finds the SMs its chain's last one frees (its streams have the higher priority); else 1 (walk CTAs
-    already wait for SMs). Session 31 (bwd, the benchmark batch, det): 4 pieces against 1, 7.413 / 7.398 against
+    already wait for SMs). Measured (bwd, the benchmark batch, det, H200): 4 pieces against 1, 7.413 / 7.398 against
     7.776 / 7.838 ms at H = 4 (walks at 48 of 132 SMs), 26.18 / 26.23 against 26.46 ms at H = 16 (128 of 132).
     ``KDA_KCP_BWD_WALK_PIECES=n`` (1..16) forces n. The pieces hand their FP32 state on, so every kernel gives the
     unsplit walk's bits. A pure function of the shapes."""
@@ -779,8 +779,8 @@ class PreparedBackward:
         """``checked``: q, k, v, g, beta passed ``kda_kcp.validate.check_inputs`` for the CUDA backend in the
         forward and ``do`` is the backward's checked, bf16, contiguous output gradient (``CudaBackend.bwd_prepare``
         from ``backward_kcp``): then nothing is checked again before the prep's launch. That runs on autograd's
-        device thread right after it wakes, where each Python step costs several times its warm time (NOTES.md,
-        session 35: the first launch 875 us into the H = 16 backward)."""
+        device thread right after it wakes, where each Python step costs several times its warm time (on the
+        H200 the first launch came 875 us into the H = 16 backward)."""
         if not checked:
             check_tensors("CUDA backward", q, k, v, g, beta, do)
             q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))

@@ -1,4 +1,4 @@
-"""The CUDA forward (csrc/kda_fwd.cu, "staged", v4 in NOTES.md): a parallel chunk prep, then V-tiled walks.
+"""The CUDA forward (csrc/kda_fwd.cu, docs/kernels.md §1-3): a parallel chunk prep, then V-tiled walks.
 
     fwd_prep      one CTA per (chunk, head): writes a 59,904-byte record (-W, Qg, Kg, Aqk, A diag(beta),
                   gamma) per (chunk, head) into a workspace
@@ -45,7 +45,7 @@ CTAS_PER_SM = 2  # walk CTAs resident per SM (smem 86.5 KB at NW = 4, 218 regist
 MERGE_STEP = 1.5  # one fold step (128 x 128 x 128) in output steps, priced on the FP32-FMA merge (now ~0.6 of it)
 CTA_START = 1.0  # a CTA's first loads and state in/out, in output steps
 # A CTA alone on its SM steps faster than one of two sharing it: whole runs at H = 16 (128 CTAs on 132
-# SMs) took 0.62 of the shared step time (H200, session 4: fwd 13.29 -> 11.45 ms against 58-chunk segments).
+# SMs) took 0.62 of the shared step time (H200: fwd 13.29 -> 11.45 ms against 58-chunk segments).
 LONE_STEP = 0.62
 
 
@@ -59,7 +59,7 @@ def _warps() -> int:
 def _early_mode() -> str:
     """``KDA_KCP_FWD_EARLY``: 0 (the default): a KCP forward walks every run after the exchange; 1: the runs whose
     incoming state is zero are walked on a side stream once this rank's summaries are done, beside the all-gather
-    and the merge; 2: beside the summaries too. Opt-in while the A/B is incomplete (NOTES.md, session 19: 1 gained
+    and the merge; 2: beside the summaries too. Opt-in while the A/B is incomplete (H200: 1 gained
     up to 1.3 ms on zigzag rows at W = 2 and was even or 0.1-0.2 ms slower on contiguous H = 16)."""
     return env_choice("KDA_KCP_FWD_EARLY", "0", ("0", "1", "2"))
 
@@ -104,7 +104,7 @@ def _pass_steps(lengths: list[int], ctas_per_seg: int, step: float, slots: int) 
     longest = (max(lengths) + CTA_START) * step
     if n <= slots // CTAS_PER_SM:  # one CTA per SM: the longest alone sets the time
         return longest * LONE_STEP
-    if n <= slots:  # all resident at once (session 18: the bound priced 256 whole-run CTAs on 264 slots at 1.7x)
+    if n <= slots:  # all resident at once (the bound priced 256 whole-run CTAs on 264 slots at 1.7x)
         return longest
     work = sum(length + CTA_START for length in lengths) * ctas_per_seg * step
     return work / slots + longest * (1.0 - 1.0 / slots)
@@ -296,9 +296,9 @@ def run_group_tables(plan, heads: int, device, sms: int | None = None):
         rows = {row[3]: row for row in tabs.out_rows}  # whole runs: one row per run, idx = the run id
         lengths = {r: row[5] for r, row in rows.items()}
         ids = run_groups(lengths, heads, nsm)
-        # Preps and walks that run at once slow each other (a walk step ~1.35x, the prep on those SMs ~2x; NOTES.md
-        # session 19; much of the prep's share was SMs configured by a walk with no room for a prep CTA, fixed by
-        # the kernels' carveout in session 24), so the pipeline pays only through the walks of the shorter runs
+        # Preps and walks that run at once slow each other (a walk step ~1.35x, the prep on those SMs ~2x, H200;
+        # much of the prep's share was SMs configured by a walk with no room for a prep CTA, which the kernels'
+        # whole shared-memory carveout removes), so the pipeline pays only through the walks of the shorter runs
         # that end before the longest one: the last group's walk, which starts after every prep, must be clearly
         # shorter than the first's (4 documents of 1,021 chunks at H = 16: 10.44 against 8.10 ms). Benchmark
         # batch: H = 64 fwd 30.9 against 32.0 ms, H = 16 8.91 against 9.22 ms (walks at priority -1: at default

@@ -314,8 +314,8 @@ inline void wgmma_rs(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc) {
 }
 // Both operands from shared memory (bf16): this warp's 16 rows of A are rows 16 (warp % 4) .. of the group's 64.
 // An MN-major start may lie inside the first row of a 1024-byte group (an N or M offset of 16-byte multiples): the
-// swizzle is on the address bits, so it is the same tile read from a later column (an H200 probe agreed: NOTES.md
-// session 29).
+// swizzle is on the address bits, so it is the same tile read from a later column (an H200 probe agrees:
+// docs/kernels.md).
 template <int N8, bool TA, bool TB>
 inline void wgmma_ss(float (&d)[N8][4], uint64_t da, uint64_t db) {
   const Desc a(da), b(db);

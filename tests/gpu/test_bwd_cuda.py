@@ -356,7 +356,7 @@ def test_summaries_match_torch_backend(seg, monkeypatch):
 
 def _scaled_alike(got, ref, f, what):
     """got == ref * f[name] for powers of two f: the bf16 gradients bit for bit; dg (FP32) within FP32 rounding,
-    since a few of its elements do not scale exactly (seen on main's kernels in session 23: 80-2,600 of 512,000
+    since a few of its elements do not scale exactly (on the H200: 80-2,600 of 512,000
     elements differ, by at most 2.4e-6 of dg's RMS, under dO times 2^-20 .. 2^12; bf16 rounding hides the like
     in dbeta; with the gates clamped at -1 per token it scales bit for bit: FP32 subnormals, most likely in the
     anchored pairwise products, whose factors reach e^-75)."""

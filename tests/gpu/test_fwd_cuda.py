@@ -338,7 +338,7 @@ def test_jit_second_process_does_not_rebuild(tmp_path):
 def test_affine_merge_against_fp64():
     """The merge kernel (csrc/kda_affine_merge.cuh, 3xTF32 products on tensor cores) against the same fold and
     composition in FP64: chains of 0, 1, 3 and 40 steps of summary-shaped maps (norm ~1), with and without an
-    initial state, at H = 3. Measured on the H200 (session 16): 6.2e-6 (the FP32-FMA kernel it replaced: 1.3e-6; the
+    initial state, at H = 3. Measured on the H200: 6.2e-6 (the FP32-FMA kernel it replaced: 1.3e-6; the
     three products in one accumulator: 3.2e-5, since tensor cores add with truncation; one plain TF32 product keeps
     11 bits, ~5e-4). The bound sits between this kernel and the one-accumulator form."""
     from kda_kcp.cuda.forward import load

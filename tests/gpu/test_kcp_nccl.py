@@ -1,5 +1,5 @@
 """KCP over NCCL at W = 2 (or W = $KDA_KCP_TEST_WORLD: 4, 8 on machines with that many GPUs) with the CUDA
-kernels, one GPU per rank (DESIGN.md section 2; the issues on KCP over NCCL and on W = 4 / 8).
+kernels, one GPU per rank (docs/design.md §4, §5).
 
 Each spawned rank owns one GPU, builds the same inputs from one seed, runs the W = 1 CUDA step itself as
 the reference, then its shard of every layout, and gathers the shards back to global tensors. Checks:
