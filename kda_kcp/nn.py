@@ -29,7 +29,7 @@ from torch import nn
 from .exchange import all_gather_flat, collective_device
 from .fla import chunk_kda, packed_context
 
-__all__ = ["KimiDeltaAttention", "ShortConvTables", "short_conv"]
+__all__ = ["KimiDeltaAttention", "ShortConvTables", "conv_tables", "short_conv"]
 
 
 class ShortConvTables:
