@@ -149,7 +149,7 @@ def _check_options(flags: dict, initial_state, max_num_seqs, use_gate_in_kernel,
         raise ValueError("chunk_kda: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
 
 
-def _check_tensors(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel):
+def _check_tensors(q, k, v, g, beta, A_log, dt_bias):
     for name, x, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"chunk_kda: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -288,7 +288,7 @@ def chunk_kda(
                  use_graph=use_graph, deterministic=deterministic)
     _check_options(flags, initial_state, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
                    use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
-    B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel)
+    B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
     ctx = packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
     out_dtype = q.dtype
 
@@ -299,7 +299,9 @@ def chunk_kda(
     if use_beta_sigmoid_in_kernel:
         beta = beta_activation(beta, allow_neg_eigval)
 
-    if select_backend(q.device, deterministic).name == "cuda":
+    from . import _package, chunk_kda_kcp  # the facade (this module is imported by the package's __init__)
+
+    if q.is_cuda and select_backend(q.device, _package(deterministic).DETERMINISTIC).name == "cuda":
         qkv_dtype, g_dtype, beta_dtype = torch.bfloat16, torch.float32, torch.bfloat16
     else:
         qkv_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
@@ -310,8 +312,6 @@ def chunk_kda(
 
     def packed(x, dtype):
         return x.to(dtype).reshape(B * T, *x.shape[2:]).contiguous()
-
-    from . import chunk_kda_kcp  # the facade (this module is imported by the package's __init__)
 
     o = chunk_kda_kcp(packed(q, qkv_dtype), packed(k, qkv_dtype), packed(v, qkv_dtype), packed(g, g_dtype),
                       packed(beta, beta_dtype), ctx, scale=scale, deterministic=deterministic, workspace=workspace)

@@ -50,8 +50,8 @@ class ShortConvTables:
         starts = set(ctx.cu_seqlens)
         self.exchange = back > 0 and any(s not in starts for s, _, _, _ in all_pieces)
         N = ctx.local_tokens
-        slots = max(len(p) for p in ctx.parts) * back if self.exchange else 0
-        self.published = slots
+        max_pieces = max(len(p) for p in ctx.parts) if self.exchange else 0
+        slots = max_pieces * back  # rows each rank publishes
         zero_row = N + ctx.world_size * slots
 
         tok = torch.cat([torch.arange(s, e, dtype=torch.long) for s, e in ctx.pieces]) if N else torch.zeros(0, dtype=torch.long)
@@ -59,8 +59,8 @@ class ShortConvTables:
         doc_start = cu[torch.searchsorted(cu, tok, right=True) - 1]
         order = sorted(all_pieces)
         piece_starts = torch.tensor([s for s, _, _, _ in order], dtype=torch.long)
-        piece_row0 = torch.tensor([((r * (slots // back if back else 0)) + p) * back - (e - back) for s, e, r, p in order],
-                                  dtype=torch.long)  # halo row of global token u in that piece: row0 + u
+        # the halo row of global token u of a piece (rank r's p-th) is row0 + u: its slot is u - (e - back)
+        piece_row0 = torch.tensor([(r * max_pieces + p) * back - (e - back) for s, e, r, p in order], dtype=torch.long)
         taps = []
         for s in range(1, size):
             u = tok - s
