@@ -12,7 +12,9 @@ import warnings
 import torch
 
 from . import det, nondet
+from . import nn
 from .context import KcpContext, build_context_kcp
+from .fla import chunk_kda
 from .partition import LAYOUTS, partition_kcp
 from .validate import check_flag
 from .workspace import WorkspaceKcp
@@ -31,6 +33,8 @@ __all__ = [
     "kda_workspace_bytes_kcp",
     "kda_saved_bytes_kcp",
     "kda_comm_bytes_kcp",
+    "chunk_kda",
+    "nn",
 ]
 
 _warned_forced_det = False

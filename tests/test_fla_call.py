@@ -1,0 +1,258 @@
+"""kda_kcp.chunk_kda, FLA 0.6.0's call: every supported option against the FP64 oracle (tests/fla_oracle.py),
+o and the gradients of every input (A_log and dt_bias included); every unsupported option raising ValueError
+that names it; output shapes and dtypes; the offsets it caches; W = 2 shards over gloo."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import kda_kcp
+import kda_kcp.fla as fla_call
+from fla_oracle import oracle_chunk_kda
+from helpers import gather_global, offsets, rel_rms, run_distributed
+
+F64 = torch.float64
+H, K, V = 2, 8, 6
+
+
+def make_call_inputs(B, T, seed, HV=H, raw_gate=False, raw_beta=False, raw_qk=False, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    if not raw_qk:
+        q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    v = rnd(B, T, HV, V)
+    g = rnd(B, T, HV, K) if raw_gate else -5 * torch.rand(B, T, HV, K, generator=gen, dtype=F64).clamp_min(1e-3)
+    beta = rnd(B, T, HV) if raw_beta else torch.rand(B, T, HV, generator=gen, dtype=F64)
+    A_log = (0.5 + torch.rand(HV, generator=gen, dtype=F64)).log()  # exp(A_log) in [0.5, 1.5)
+    dt_bias = 0.5 * rnd(HV * K)
+    do = rnd(B, T, HV, V)
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    return dict(q=cast(q), k=cast(k), v=cast(v), g=cast(g), beta=cast(beta)), dict(A_log=A_log, dt_bias=dt_bias), do
+
+
+def run_both(tensors, params, do, **opts):
+    """(ours, oracle): o and the gradient of <o, do> for every tensor (and for A_log / dt_bias with the gate)."""
+    out = []
+    for fn in (kda_kcp.chunk_kda, oracle_chunk_kda):
+        leaves = {n: x.detach().clone().requires_grad_() for n, x in tensors.items()}
+        extra = {}
+        if opts.get("use_gate_in_kernel"):
+            extra = {n: x.detach().clone().requires_grad_() for n, x in params.items() if n in opts.get("with", params)}
+        kw = {n: v for n, v in opts.items() if n != "with"}
+        o = fn(**leaves, **extra, **kw)
+        if fn is kda_kcp.chunk_kda:
+            o, final = o
+            assert final is None
+        o.backward(do.to(o.dtype))
+        out.append({"o": o.detach(), **{n: x.grad for n, x in {**leaves, **extra}.items()}})
+    return out
+
+
+OPTIONS = {
+    "plain": ({}, {}),
+    "scale": ({"scale": 0.3}, {}),
+    "l2norm": ({"use_qk_l2norm_in_kernel": True}, {"raw_qk": True}),
+    "gate_softplus": ({"use_gate_in_kernel": True}, {"raw_gate": True}),
+    "gate_softplus_no_bias": ({"use_gate_in_kernel": True, "with": ("A_log",)}, {"raw_gate": True}),
+    "gate_lower_bound": ({"use_gate_in_kernel": True, "lower_bound": -5.0}, {"raw_gate": True}),
+    "gate_lower_bound_safe": ({"use_gate_in_kernel": True, "lower_bound": -3.0, "safe_gate": True}, {"raw_gate": True}),
+    "gate_lower_bound_no_A": ({"use_gate_in_kernel": True, "lower_bound": -4.0, "with": ("dt_bias",)}, {"raw_gate": True}),
+    "beta_sigmoid": ({"use_beta_sigmoid_in_kernel": True}, {"raw_beta": True}),
+    "allow_neg_eigval": ({"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}, {"raw_beta": True}),
+    "all": ({"use_qk_l2norm_in_kernel": True, "use_gate_in_kernel": True, "lower_bound": -5.0, "safe_gate": True,
+             "use_beta_sigmoid_in_kernel": True}, {"raw_qk": True, "raw_gate": True, "raw_beta": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_option_matches_oracle(name):
+    opts, kinds = OPTIONS[name]
+    tensors, params, do = make_call_inputs(1, 75, seed=list(OPTIONS).index(name), **kinds)
+    ours, ref = run_both(tensors, params, do, **opts)
+    assert ours.keys() == ref.keys()
+    expected = {"o", "q", "k", "v", "g", "beta"} | (set(opts.get("with", params)) if opts.get("use_gate_in_kernel") else set())
+    assert set(ours) == expected
+    for n in ours:
+        assert ours[n] is not None and ours[n].abs().sum() > 0, (name, n, "no gradient")
+        err = rel_rms(ours[n], ref[n])
+        assert err < 1e-10, (name, n, err)
+
+
+def test_batch_of_equal_rows_and_packed_documents():
+    """B > 1 without cu_seqlens is B documents; B = 1 with cu_seqlens (an empty document included)."""
+    tensors, params, do = make_call_inputs(3, 40, seed=5, raw_gate=True, raw_beta=True)
+    opts = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+    ours, ref = run_both(tensors, params, do, **opts)
+    for n in ours:
+        assert rel_rms(ours[n], ref[n]) < 1e-10, ("B = 3", n)
+    # the same rows as one packed row of three documents give the same o
+    packed = {n: x.reshape(1, 120, *x.shape[2:]) for n, x in tensors.items()}
+    o_packed, _ = kda_kcp.chunk_kda(**packed, **params, **opts, cu_seqlens=torch.tensor([0, 40, 80, 120]))
+    assert torch.equal(o_packed.reshape(3, 40, H, V), ours["o"])
+
+    cu = offsets([30, 0, 70, 1, 19])
+    tensors, params, do = make_call_inputs(1, cu[-1], seed=6)
+    ours, ref = run_both(tensors, params, do, cu_seqlens=torch.tensor(cu))
+    for n in ours:
+        assert rel_rms(ours[n], ref[n]) < 1e-10, ("cu_seqlens", n)
+    ours_cpu, _ = run_both(tensors, params, do, cu_seqlens=torch.tensor(cu), cu_seqlens_cpu=torch.tensor(cu))
+    for n in ours:
+        assert torch.equal(ours_cpu[n], ours[n]), ("cu_seqlens_cpu", n)
+
+
+def test_grouped_value_heads():
+    """HV = 2 H: each q, k head serves two value heads (FLA's GVA)."""
+    tensors, params, do = make_call_inputs(2, 33, seed=9, HV=2 * H, raw_gate=True, raw_qk=True)
+    ours, ref = run_both(tensors, params, do, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+    assert ours["o"].shape == (2, 33, 2 * H, V)
+    for n in ours:
+        assert rel_rms(ours[n], ref[n]) < 1e-10, n
+
+
+def test_signature_matches_fla():
+    """FLA 0.6.0's parameters, in its order and with its defaults, then kda_kcp's keywords."""
+    fla_params = [
+        ("q", inspect.Parameter.empty), ("k", inspect.Parameter.empty), ("v", inspect.Parameter.empty),
+        ("g", inspect.Parameter.empty), ("beta", inspect.Parameter.empty), ("scale", None), ("initial_state", None),
+        ("output_final_state", False), ("use_qk_l2norm_in_kernel", False), ("use_gate_in_kernel", False),
+        ("use_beta_sigmoid_in_kernel", False), ("allow_neg_eigval", False), ("safe_gate", False),
+        ("lower_bound", None), ("disable_recompute", False), ("return_intermediate_states", False),
+        ("state_v_first", False), ("cu_seqlens", None), ("cu_seqlens_cpu", None), ("cp_context", None),
+        ("use_graph", False), ("max_num_seqs", None),
+    ]
+    params = list(inspect.signature(kda_kcp.chunk_kda).parameters.values())
+    assert [(p.name, p.default) for p in params[: len(fla_params)]] == fla_params
+    rest = {p.name: (p.kind, p.default) for p in params[len(fla_params):]}
+    kw = inspect.Parameter.KEYWORD_ONLY
+    assert rest == {"A_log": (kw, None), "dt_bias": (kw, None), "deterministic": (kw, True), "workspace": (kw, None),
+                    "kwargs": (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.empty)}
+
+
+UNSUPPORTED = [  # (id, keywords, what the message must name)
+    ("initial_state", dict(initial_state=torch.zeros(2, H, K, V)), "initial_state"),
+    ("output_final_state", dict(output_final_state=True), "output_final_state"),
+    ("disable_recompute", dict(disable_recompute=True), "disable_recompute"),
+    ("return_intermediate_states", dict(return_intermediate_states=True), "return_intermediate_states"),
+    ("state_v_first", dict(state_v_first=True), "state_v_first"),
+    ("transpose_state_layout", dict(transpose_state_layout=True), "transpose_state_layout"),
+    ("use_graph", dict(use_graph=True), "use_graph"),
+    ("max_num_seqs", dict(max_num_seqs=4), "max_num_seqs"),
+    ("chunk_size", dict(chunk_size=32), "chunk_size"),
+    ("unknown_keyword", dict(not_an_option=1), "not_an_option"),
+    ("A_log_without_gate", dict(A_log=torch.zeros(H)), "A_log"),
+    ("dt_bias_without_gate", dict(dt_bias=torch.zeros(H * K)), "dt_bias"),
+    ("allow_neg_eigval_without_sigmoid", dict(allow_neg_eigval=True), "allow_neg_eigval"),
+    ("lower_bound_below_-5", dict(use_gate_in_kernel=True, A_log=torch.zeros(H), lower_bound=-6.0), "lower_bound"),
+    ("lower_bound_positive", dict(use_gate_in_kernel=True, lower_bound=0.5), "lower_bound"),
+    ("gate_without_A_log", dict(use_gate_in_kernel=True), "A_log must be given"),
+    ("safe_gate_without_lower_bound", dict(use_gate_in_kernel=True, A_log=torch.zeros(H), safe_gate=True), "safe_gate"),
+    ("cu_seqlens_with_B_2", dict(cu_seqlens=torch.tensor([0, 10, 20])), "batch size must be 1"),
+    ("cu_seqlens_cpu_alone", dict(cu_seqlens_cpu=torch.tensor([0, 20])), "cu_seqlens_cpu"),
+]
+
+
+@pytest.mark.parametrize("kw, named", [u[1:] for u in UNSUPPORTED], ids=[u[0] for u in UNSUPPORTED])
+def test_unsupported_option_raises_naming_it(kw, named):
+    tensors, _, _ = make_call_inputs(2, 20, seed=1)
+    before = {n: x.clone() for n, x in tensors.items()}
+    with pytest.raises(ValueError, match=named):
+        kda_kcp.chunk_kda(**tensors, **kw)
+    for n, x in tensors.items():
+        assert torch.equal(x, before[n]), n  # nothing the caller passed is modified
+
+
+def test_the_supported_values_of_fla_only_options_are_accepted():
+    tensors, _, _ = make_call_inputs(1, 20, seed=2)
+    ref, _ = kda_kcp.chunk_kda(**tensors)
+    o, _ = kda_kcp.chunk_kda(**tensors, chunk_size=64, transpose_state_layout=False, disable_recompute=False,
+                             safe_gate=True, lower_bound=-5.0)
+    assert torch.equal(o, ref)
+
+
+def test_bad_inputs_raise_before_running():
+    tensors, _, _ = make_call_inputs(1, 20, seed=3)
+    bad = {
+        "k must have q's shape": dict(tensors, k=tensors["k"][:, :10]),
+        "v must be": dict(tensors, v=tensors["v"][:, :, :1].expand(1, 20, 3, V)),
+        "g must be": dict(tensors, g=tensors["g"][..., :4]),
+        "beta must be": dict(tensors, beta=tensors["beta"][..., None]),
+        "q must be": dict(tensors, q=tensors["q"][0]),
+        "cu_seqlens ends at 19": dict(tensors, cu_seqlens=torch.tensor([0, 19])),
+    }
+    for message, kw in bad.items():
+        with pytest.raises(ValueError, match=message):
+            kda_kcp.chunk_kda(**kw)
+    with pytest.raises(TypeError, match="cp_context must be a kda_kcp.KcpContext"):
+        kda_kcp.chunk_kda(**tensors, cp_context=object())
+    with pytest.raises(TypeError, match="use_gate_in_kernel must be True or False"):
+        kda_kcp.chunk_kda(**tensors, use_gate_in_kernel=1)
+    with pytest.raises(ValueError, match="A_log must hold 2 values"):
+        kda_kcp.chunk_kda(**{**tensors, "g": tensors["g"]}, use_gate_in_kernel=True, A_log=torch.zeros(3))
+    ctx = kda_kcp.build_context_kcp([0, 20])
+    with pytest.raises(ValueError, match="cu_seqlens differs from cp_context"):
+        kda_kcp.chunk_kda(**tensors, cp_context=ctx, cu_seqlens=torch.tensor([0, 5, 20]))
+    with pytest.raises(ValueError, match="local tokens"):
+        kda_kcp.chunk_kda(**{n: x[:, :10] for n, x in tensors.items()}, cp_context=ctx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_output_shape_and_dtype(dtype):
+    tensors, params, do = make_call_inputs(2, 20, seed=4, HV=2 * H, raw_gate=True, raw_beta=True, dtype=dtype)
+    leaves = {n: x.requires_grad_() for n, x in tensors.items()}
+    p = {n: x.float().requires_grad_() for n, x in params.items()}
+    o, final = kda_kcp.chunk_kda(**leaves, **p, use_gate_in_kernel=True, lower_bound=-5.0,
+                                 use_beta_sigmoid_in_kernel=True)
+    assert final is None
+    assert o.shape == (2, 20, 2 * H, V) and o.dtype == dtype
+    o.float().backward(do.float())
+    for n, x in {**leaves, **p}.items():
+        assert x.grad is not None and x.grad.dtype == x.dtype and x.grad.shape == x.shape, n
+        assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0, n
+
+
+def test_cached_offsets_follow_in_place_changes(monkeypatch):
+    """A cu_seqlens tensor is read once while it lives unchanged; written in place, it is read again."""
+    reads = []
+    real = fla_call.check_cu_seqlens
+    monkeypatch.setattr(fla_call, "check_cu_seqlens", lambda *a, **kw: reads.append(1) or real(*a, **kw))
+    tensors, params, do = make_call_inputs(1, 50, seed=8)
+    cu = torch.tensor([0, 20, 50])
+    first, _ = kda_kcp.chunk_kda(**tensors, cu_seqlens=cu)
+    again, _ = kda_kcp.chunk_kda(**tensors, cu_seqlens=cu)
+    assert torch.equal(first, again) and len(reads) == 1
+    cu[1] = 35
+    moved, _ = kda_kcp.chunk_kda(**tensors, cu_seqlens=cu)
+    assert len(reads) == 2
+    assert rel_rms(moved, oracle_chunk_kda(**tensors, cu_seqlens=[0, 35, 50])) < 1e-10
+
+
+def _shards_match_oracle(rank, world):
+    cu = offsets([37, 2, 90, 11])
+    tensors, params, do = make_call_inputs(1, cu[-1], seed=12, raw_gate=True, raw_beta=True, raw_qk=True)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+    _, ref = run_both(tensors, params, do, **opts, cu_seqlens=torch.tensor(cu))
+    for layout in kda_kcp.LAYOUTS:
+        ctx = kda_kcp.build_context_kcp(torch.tensor(cu), dist.group.WORLD, layout)
+        local = {n: ctx.shard(x[0])[None].requires_grad_() for n, x in tensors.items()}
+        p = {n: x.clone().requires_grad_() for n, x in params.items()}
+        o, _ = kda_kcp.chunk_kda(**local, **p, **opts, cp_context=ctx)
+        o.backward(ctx.shard(do[0])[None])
+        assert rel_rms(gather_global(ctx, o[0].detach()), ref["o"][0]) < 1e-10, (layout, "o")
+        for n, x in local.items():
+            assert rel_rms(gather_global(ctx, x.grad[0]), ref[n][0]) < 1e-10, (layout, n)
+        for n, x in p.items():  # this rank's share of the parameter gradients, summed over the ranks
+            total = x.grad.clone()
+            dist.all_reduce(total)
+            assert rel_rms(total, ref[n]) < 1e-10, (layout, n)
+
+
+def test_cp_context_shards_over_gloo():
+    run_distributed(_shards_match_oracle, 2)
