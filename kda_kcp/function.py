@@ -294,11 +294,12 @@ DOUBLE_BACKWARD = (
 )
 
 
-def _not_differentiable(grads):
-    """``grads`` behind one autograd node whose backward raises DOUBLE_BACKWARD: gradients of a create_graph=True
-    backward that a second backward through them reports instead of treating them as constants."""
-    node = torch._C._functions.DelayedError(DOUBLE_BACKWARD.encode(), len(grads))
-    return node(*[gr.detach().requires_grad_() for gr in grads])
+def _not_differentiable(grads, sources):
+    """``grads`` (of a create_graph=True backward) behind one autograd node whose backward raises DOUBLE_BACKWARD.
+    The node takes the tensors the gradients depend on (``sources``) as inputs too, so that any later backward
+    toward them runs it, instead of treating the gradients as constants."""
+    node = torch._C._functions.DelayedError(DOUBLE_BACKWARD.encode(), len(grads) + len(sources))
+    return node(*grads, *sources)[: len(grads)]
 
 
 # The differentiable call is two autograd nodes. KdaKcpInputs makes the ForwardCall (its first step), keeps
@@ -333,7 +334,7 @@ class KdaKcpInputs(torch.autograd.Function):
         else:  # backward(create_graph=True): the kernels have no backward, so one through these gradients raises
             with torch.no_grad():
                 grads = backward_kcp(do, saved, ctx, workspace)
-            grads = _not_differentiable(grads)
+            grads = _not_differentiable(grads, (q, k, v, g, beta, do))
         return (*grads, None, None, None, None, None, None)
 
 
