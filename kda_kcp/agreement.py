@@ -41,11 +41,15 @@ _FIELDS = (
 _AT = {name: i for i, name in enumerate(_FIELDS)}
 _NUM_CONTEXT = _AT["local_tokens"] - _AT["world_size"]
 _NUM_PROPERTIES = len(_FIELDS) - _AT["local_tokens"]
+_CONTEXT = slice(_AT["world_size"], _AT["local_tokens"])
+_SHARED = slice(_AT["H"], len(_FIELDS))
 
 # dtype codes (0: no tensor); the same table on every rank of one installation
 _DTYPES = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
 _DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
 _ARENAS = (None, "replay", "lean")
+# called here directly: kda_kcp.exchange's all-gather carries the payload (what kda_comm_bytes_kcp counts)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def exchanges(ctx) -> bool:
@@ -79,8 +83,7 @@ def _exchange_headers(group, world_size: int, header: list[int], error: BaseExce
     the same ValueError with each failing rank's message (this rank's own error chained)."""
     header[_AT["status"]] = 0 if error is None else 1
     out = torch.empty(world_size * len(header), dtype=torch.int64)
-    # straight to torch.distributed: kda_kcp.exchange carries the payload (kda_comm_bytes_kcp counts that)
-    dist.all_gather_into_tensor(out, torch.tensor(header, dtype=torch.int64), group=group)
+    _all_gather(out, torch.tensor(header, dtype=torch.int64), group=group)
     rows = out.view(world_size, len(header)).tolist()
     if any(row[_AT["status"]] for row in rows):
         mine = None if error is None else f"{type(error).__name__}: {error}"
@@ -126,7 +129,7 @@ def _rank_problems(rows, ctx: KcpContext) -> list[str]:
         if len(holders) > 1:
             problems.append(f"group ranks {holders} all run the context of rank {r}")
     for i, row in enumerate(rows):
-        want = sum(e - s for s, e in ctx.parts[row[_AT["rank"]]])
+        want = ctx.rank_tokens[row[_AT["rank"]]]
         if row[_AT["local_tokens"]] != want:
             problems.append(f"group rank {i} has {row[_AT['local_tokens']]} local tokens, its context gives {want}")
     return problems
@@ -156,8 +159,22 @@ def _property_problems(rows) -> list[str]:
     return [p for p in problems if p is not None]
 
 
+def _agree(rows, ctx: KcpContext) -> bool:
+    """Whether the headers of one call agree (the common case, checked before any message is made)."""
+    first, at = rows[0], _AT
+    if sorted(row[at["rank"]] for row in rows) != list(range(len(rows))):
+        return False
+    return all(
+        row[0] == first[0] and row[_CONTEXT] == first[_CONTEXT] and row[_SHARED] == first[_SHARED]
+        and row[at["local_tokens"]] == ctx.rank_tokens[row[at["rank"]]]
+        for row in rows
+    )
+
+
 def _raise_on_disagreement(rows, ctx: KcpContext | None) -> None:
     """The same ValueError on every rank when the headers differ (``ctx`` None: build_context_kcp's header)."""
+    if ctx is not None and _agree(rows, ctx):
+        return
     kinds = [row[_AT["kind"]] for row in rows]
     if len(set(kinds)) > 1:
         where = ", ".join(f"rank {row[_AT['rank']]} in {_KIND_NAMES[k]}" for row, k in zip(rows, kinds))

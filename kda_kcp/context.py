@@ -19,7 +19,8 @@ class KcpContext:
     Attributes: ``cu_seqlens`` (list of global offsets), ``layout``, ``group``, ``world_size``, ``rank``,
     ``pieces`` (this rank's (start, end) global ranges, local order), ``token_index`` (global position of
     every local token, int64, on the device of the cu_seqlens passed in), ``num_tokens`` (global T),
-    ``local_tokens``, ``plan`` (every rank's runs and exchange slots), ``local`` (this rank's runs).
+    ``local_tokens`` (``rank_tokens``: every rank's), ``plan`` (every rank's runs and exchange slots), ``local``
+    (this rank's runs), ``host_group`` (where the ranks agree before an exchange, kda_kcp.agreement).
     """
 
     def __init__(self, cu: list[int], layout: str, group, world_size: int, rank: int, device, host_group=None,
@@ -37,7 +38,8 @@ class KcpContext:
         self.pieces = self.parts[rank]
         self.plan: KcpPlan = build_plan(cu, self.parts)
         self.num_tokens = cu[-1]
-        self.local_tokens = sum(e - s for s, e in self.pieces)
+        self.rank_tokens = [sum(e - s for s, e in pieces) for pieces in self.parts]  # every rank's local T
+        self.local_tokens = self.rank_tokens[rank]
         self.local = LocalPlan(self.local_tokens, self.plan.rank_runs[rank])
         idx = [torch.arange(s, e, dtype=torch.long) for s, e in self.pieces]
         self.token_index = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)).to(device)

@@ -94,6 +94,7 @@ def _every_rank_raises_the_same(rank, world):
         assert all(m == msg for m in messages), (name, messages)
         assert re.search(pattern, msg), (name, pattern, msg)
         assert elapsed < TIMEOUT.total_seconds(), (name, elapsed)
+    _nccl_companion(group)
     # the group still works after the errors: an agreeing step gives every rank the W = 1 result
     ctx = kda_kcp.build_context_kcp(CU, group, "zigzag")
     inputs, do = make_inputs(CU, H=H, K=K, V=V, seed=3)
@@ -101,6 +102,21 @@ def _every_rank_raises_the_same(rank, world):
     got = step([ctx.shard(x) for x in inputs], ctx.shard(do), ctx)
     for x, r in zip(got, ref):
         assert rel_rms(x, ctx.shard(r)) < 1e-12
+
+
+def _nccl_companion(group):
+    """An NCCL group agrees on a gloo companion, made by its first context and reused by the next (here a gloo
+    group that reports NCCL stands in, while only contexts are built; tests/gpu/test_rank_agreement_nccl.py runs NCCL)."""
+    real = dist.get_backend
+    dist.get_backend = lambda g=None: "nccl" if g is group else real(g)
+    try:
+        first = kda_kcp.build_context_kcp(CU, group)
+        assert first.host_group is not group and real(first.host_group) == "gloo"
+        assert kda_kcp.build_context_kcp(CU, group, "zigzag").host_group is first.host_group
+        with pytest.raises(ValueError, match="ranks disagree on the context: layout"):
+            kda_kcp.build_context_kcp(CU, group, "zigzag" if dist.get_rank() else "contiguous")
+    finally:
+        dist.get_backend = real
 
 
 @pytest.mark.parametrize("world", [2, 3])
