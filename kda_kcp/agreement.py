@@ -165,7 +165,7 @@ def _agree(rows, ctx: KcpContext) -> bool:
     if sorted(row[at["rank"]] for row in rows) != list(range(len(rows))):
         return False
     return all(
-        row[0] == first[0] and row[_CONTEXT] == first[_CONTEXT] and row[_SHARED] == first[_SHARED]
+        row[at["kind"]] == first[at["kind"]] and row[_CONTEXT] == first[_CONTEXT] and row[_SHARED] == first[_SHARED]
         and row[at["local_tokens"]] == ctx.rank_tokens[row[at["rank"]]]
         for row in rows
     )
@@ -193,8 +193,8 @@ def _raise_on_disagreement(rows, ctx: KcpContext | None) -> None:
 
 
 def agree_call(ctx, kind: str, checks, properties, *args):
-    """``checks(*args)``: this rank's local checks of one call (they raise on a bad input), returning what the
-    call needs from them; returned here. When the call exchanges (``exchanges(ctx)``; in the backward ``ctx``
+    """Returns ``checks(*args)``: this rank's local checks of one call, which raise on a bad input and return
+    what the call needs from them. When the call exchanges (``exchanges(ctx)``; in the backward ``ctx``
     is the forward's context), an error of the checks is caught instead and agreed with every rank through
     the header, with ``properties(result, *args)`` (``call_properties`` of the checked call): a failure on
     any rank, or a property that differs, raises the same ValueError on every rank. Whatever ``checks``
