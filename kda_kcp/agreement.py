@@ -39,6 +39,7 @@ _FIELDS = (
     "local_tokens", "H", "K", "V", "q", "k", "v", "g", "beta", "do", "scale", "deterministic", "arena", "lean_passes",
 )
 _AT = {name: i for i, name in enumerate(_FIELDS)}
+_PACKED = struct.Struct(f"<{len(_FIELDS)}q")  # torch.frombuffer of its bytes: ~3 us, torch.tensor(list) ~25 us
 _NUM_CONTEXT = _AT["local_tokens"] - _AT["world_size"]
 _NUM_PROPERTIES = len(_FIELDS) - _AT["local_tokens"]
 _CONTEXT = slice(_AT["world_size"], _AT["local_tokens"])
@@ -83,7 +84,7 @@ def _exchange_headers(group, world_size: int, header: list[int], error: BaseExce
     the same ValueError with each failing rank's message (this rank's own error chained)."""
     header[_AT["status"]] = 0 if error is None else 1
     out = torch.empty(world_size * len(header), dtype=torch.int64)
-    _all_gather(out, torch.tensor(header, dtype=torch.int64), group=group)
+    _all_gather(out, torch.frombuffer(bytearray(_PACKED.pack(*header)), dtype=torch.int64), group=group)
     rows = out.view(world_size, len(header)).tolist()
     if any(row[_AT["status"]] for row in rows):
         mine = None if error is None else f"{type(error).__name__}: {error}"
