@@ -71,7 +71,8 @@ def _cases(rank, world, group):
         ("saved of another type", lambda: kda_kcp.chunk_kda_bwd_kcp(do, list(saved.tensors()) if odd else saved, ctx),
          failed.replace("(.+?)", "a backward") + "TypeError: saved must be the KdaSaved"),
         ("a context of another rank", lambda: kda_kcp.chunk_kda_kcp(*_local(foreign)[0], foreign),
-         r"forward calls disagree: group ranks \[%d, %d\] all run the context of rank %d" % (world - 2, world - 1, world - 2)),
+         r"forward calls disagree: group ranks \[%d, %d\] all run the context of rank %d"
+         % (world - 2, world - 1, world - 2)),
         ("forward beside a backward", lambda: kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx) if odd else fwd(*local),
          r"the ranks are in different calls: rank 0 in a forward, .*rank %d in a backward" % (world - 1)),
     ]
@@ -106,7 +107,8 @@ def _every_rank_raises_the_same(rank, world):
 
 def _nccl_companion(group):
     """An NCCL group agrees on a gloo companion, made by its first context and reused by the next (here a gloo
-    group that reports NCCL stands in, while only contexts are built; tests/gpu/test_rank_agreement_nccl.py runs NCCL)."""
+    group that reports NCCL stands in, while only contexts are built; tests/gpu/test_rank_agreement_nccl.py
+    runs NCCL)."""
     real = dist.get_backend
     dist.get_backend = lambda g=None: "nccl" if g is group else real(g)
     try:

@@ -60,7 +60,7 @@ def _worker(rank, world, init_file, report_dir):
         ctx = kda_kcp.build_context_kcp(torch.tensor(CU, device=dev), group, "zigzag")
         again = kda_kcp.build_context_kcp(torch.tensor(CU, device=dev), group, "contiguous")
         if ctx.host_group is group or dist.get_backend(ctx.host_group) != "gloo":
-            failures.append(f"the host group is {ctx.host_group} ({dist.get_backend(ctx.host_group)}), not a gloo companion")
+            failures.append(f"the host group is {dist.get_backend(ctx.host_group)}, not a gloo companion")
         if again.host_group is not ctx.host_group:
             failures.append("a second context of the group made another gloo companion")
         for name, call, pattern in _cases(rank, world, ctx, dev):
