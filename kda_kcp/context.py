@@ -7,7 +7,6 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .exchange import all_gather_flat, collective_device
 from .partition import LAYOUTS, check_cu_seqlens, partition_kcp
 from .plan import KcpPlan, LocalPlan, build_plan
 
@@ -20,20 +19,27 @@ class KcpContext:
     Attributes: ``cu_seqlens`` (list of global offsets), ``layout``, ``group``, ``world_size``, ``rank``,
     ``pieces`` (this rank's (start, end) global ranges, local order), ``token_index`` (global position of
     every local token, int64, on the device of the cu_seqlens passed in), ``num_tokens`` (global T),
-    ``local_tokens``, ``plan`` (every rank's runs and exchange slots), ``local`` (this rank's runs).
+    ``local_tokens`` (``rank_tokens``: every rank's), ``plan`` (every rank's runs and exchange slots), ``local``
+    (this rank's runs), ``host_group`` (where the ranks agree before an exchange, kda_kcp.agreement).
     """
 
-    def __init__(self, cu: list[int], layout: str, group, world_size: int, rank: int, device):
+    def __init__(self, cu: list[int], layout: str, group, world_size: int, rank: int, device, host_group=None,
+                 fingerprint: list[int] | None = None):
         self.cu_seqlens = cu
         self.layout = layout
         self.group = group
+        # where the ranks agree before each exchange (kda_kcp.agreement)
+        self.host_group = host_group if host_group is not None or group is None else host_group_of(group)
+        if fingerprint is not None:  # build_context_kcp has it from its agreement
+            self._fingerprint = fingerprint
         self.world_size = world_size
         self.rank = rank
         self.parts = partition_kcp(cu, world_size, layout)
         self.pieces = self.parts[rank]
         self.plan: KcpPlan = build_plan(cu, self.parts)
         self.num_tokens = cu[-1]
-        self.local_tokens = sum(e - s for s, e in self.pieces)
+        self.rank_tokens = [sum(e - s for s, e in pieces) for pieces in self.parts]  # every rank's local T
+        self.local_tokens = self.rank_tokens[rank]
         self.local = LocalPlan(self.local_tokens, self.plan.rank_runs[rank])
         idx = [torch.arange(s, e, dtype=torch.long) for s, e in self.pieces]
         self.token_index = (torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long)).to(device)
@@ -51,6 +57,17 @@ class KcpContext:
     @property
     def num_docs(self) -> int:
         return len(self.cu_seqlens) - 1
+
+    @property
+    def fingerprint(self) -> list[int]:
+        """``fingerprint`` of this context's cu_seqlens, layout and world size (made once)."""
+        if "_fingerprint" not in self.__dict__:
+            self._fingerprint = fingerprint(self.cu_seqlens, self.layout, self.world_size)
+        return self._fingerprint
+
+    def same_as(self, other: "KcpContext") -> bool:
+        """Whether ``other`` is this rank's view of the same split (same cu_seqlens, layout, world size, rank)."""
+        return other is self or (other.rank == self.rank and other.fingerprint == self.fingerprint)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a global [T, ...] tensor, in local order (a new tensor)."""
@@ -75,45 +92,47 @@ class KcpContext:
         )
 
 
-def _fingerprint(cu: list[int], layout: str, world_size: int) -> list[int]:
+def fingerprint(cu: list[int], layout: str, world_size: int) -> list[int]:
+    """Six ints that tell contexts apart: world size, layout, documents, T and two checksums of the offsets."""
     blob = ",".join(map(str, cu)).encode()
     return [world_size, LAYOUTS.index(layout), len(cu) - 1, cu[-1], zlib.crc32(blob), zlib.adler32(blob)]
 
 
-def _check_agreement(cu: list[int], layout: str, group, world_size: int, rank: int) -> None:
-    """One small all-gather: every rank must have passed the same cu_seqlens and layout."""
-    mine = _fingerprint(cu, layout, world_size)
-    dev = collective_device(group)
-    out = torch.empty(world_size * len(mine), dtype=torch.int64, device=dev)
-    all_gather_flat(out, torch.tensor(mine, dtype=torch.int64, device=dev), group)
-    rows = out.view(world_size, len(mine)).tolist()
-    problems = []
-    for w, row in enumerate(rows):
-        if row == mine:
-            continue
-        if row[1] != mine[1]:
-            problems.append(f"rank {w} passed layout={LAYOUTS[row[1]]!r}, rank {rank} passed {layout!r}")
-        if row[2:] != mine[2:]:
-            problems.append(
-                f"rank {w} passed cu_seqlens with {row[2]} documents and T = {row[3]}, rank {rank} passed "
-                f"{mine[2]} documents and T = {mine[3]}" + (" (same sizes, different offsets)" if row[2:4] == mine[2:4] else "")
-            )
-        if row[0] != mine[0]:
-            problems.append(f"rank {w} sees world size {row[0]}, rank {rank} sees {mine[0]}")
-    if problems:
-        raise ValueError("build_context_kcp: ranks disagree on the context: " + "; ".join(problems))
+_host_groups: dict = {}  # NCCL group -> its gloo companion
+
+
+def host_group_of(group):
+    """The group the ranks of ``group`` agree on with host tensors: ``group`` itself unless it is NCCL, else
+    a gloo companion over the same ranks, made once per group (every member takes part in making it, here in
+    build_context_kcp) and kept, so contexts built every step reuse it."""
+    if dist.get_backend(group) != "nccl":
+        return group
+    if group not in _host_groups:
+        _host_groups[group] = dist.new_group(
+            ranks=dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True
+        )
+    return _host_groups[group]
+
+
+def _checked(cu_seqlens, layout, world_size, W) -> list[int]:
+    """cu_seqlens as ints, after this rank's checks of the arguments."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    cu = check_cu_seqlens(cu_seqlens)
+    if world_size is not None and world_size != W:
+        raise ValueError(f"world_size={world_size} does not match the group, which has {W} ranks")
+    return cu
 
 
 def build_context_kcp(cu_seqlens, group=None, layout: str = "contiguous", world_size: int | None = None) -> KcpContext:
     """Split the packed batch described by ``cu_seqlens`` over the ranks of ``group``.
 
     group=None means one rank (W = 1, no collective). ``world_size``, if given, must equal the group's
-    size. With W > 1 every rank must call this with the same cu_seqlens and layout; a disagreement
-    raises ValueError on every rank (checked with one small all-gather) instead of hanging later.
+    size. With W > 1 every rank must call this with the same cu_seqlens and layout: one small host
+    all-gather (kda_kcp.agreement) compares them, and a disagreement, or a bad argument on any one rank,
+    raises the same ValueError on every rank instead of hanging later. For an NCCL group the first
+    context also makes the group's gloo companion (kda_kcp.context.host_group_of), a collective of its ranks.
     """
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    cu = check_cu_seqlens(cu_seqlens)
     if group is None:
         W, rank = 1, 0
     else:
@@ -122,9 +141,12 @@ def build_context_kcp(cu_seqlens, group=None, layout: str = "contiguous", world_
         W, rank = dist.get_world_size(group), dist.get_rank(group)
         if rank < 0:
             raise ValueError("this process is not a member of the group passed to build_context_kcp")
-    if world_size is not None and world_size != W:
-        raise ValueError(f"world_size={world_size} does not match the group, which has {W} ranks")
-    if W > 1:
-        _check_agreement(cu, layout, group, W, rank)
+    if W == 1:
+        cu, hosts, fp = _checked(cu_seqlens, layout, world_size, W), None, None
+    else:
+        from .agreement import agree_context  # it builds on KcpContext
+
+        hosts = host_group_of(group)
+        cu, fp = agree_context(hosts, W, rank, lambda: _checked(cu_seqlens, layout, world_size, W), layout)
     device = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else torch.device("cpu")
-    return KcpContext(cu, layout, group, W, rank, device)
+    return KcpContext(cu, layout, group, W, rank, device, hosts, fp)

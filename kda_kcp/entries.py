@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import workspace as _ws
-from .function import backward_kcp, chunk_kda_autograd, forward_kcp
+from .function import KdaSaved, backward_kcp, chunk_kda_autograd, forward_kcp
 from .validate import check_flag
 
 __all__ = ["ENTRY_NAMES", "make_entries"]
@@ -51,7 +51,7 @@ def make_entries(package: str, mode: bool) -> dict:
     def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=mode, workspace=None):
         """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta)."""
         _own(deterministic)
-        if saved.deterministic is not mode:
+        if isinstance(saved, KdaSaved) and saved.deterministic is not mode:  # backward_kcp checks the rest
             raise ValueError(f"saved comes from a deterministic={saved.deterministic} forward; {package} is deterministic={mode}")
         with torch.no_grad():
             return backward_kcp(do, saved, ctx, workspace)

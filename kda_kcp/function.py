@@ -18,21 +18,24 @@ from dataclasses import dataclass
 
 import torch
 
+from .agreement import agree_call, call_properties
 from .arena import Arena, aligned, tensor_bytes
 from .backend import select_backend
+from .context import KcpContext
 from .exchange import gather_summaries
 from .torch_backend import compute_dtype
 from .validate import check_grad_output, check_inputs, check_scale, check_values, values_requested
 from .walk import affine_merge
 from .workspace import WorkspaceKcp, exchange_elements, workspace_bytes
 
-__all__ = ["KdaSaved", "ForwardCall", "forward_kcp", "backward_kcp", "KdaKcpInputs", "KdaKcpOutput",
+__all__ = ["KdaSaved", "ForwardCall", "forward_kcp", "backward_kcp", "check_saved", "KdaKcpInputs", "KdaKcpOutput",
            "chunk_kda_autograd", "local_arena_bytes"]
 
 
 @dataclass
 class KdaSaved:
-    """What the forward hands the backward: the inputs (by reference) and each run's incoming state."""
+    """What the forward hands the backward: the inputs (by reference), each run's incoming state and the
+    forward's context (the backward must run on the same split)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -42,6 +45,7 @@ class KdaSaved:
     state_in: torch.Tensor | None  # [R, H, K, V], None when no document crosses a piece
     scale: float
     deterministic: bool
+    ctx: KcpContext
 
     def tensors(self):
         return (self.q, self.k, self.v, self.g, self.beta, self.state_in)
@@ -87,6 +91,8 @@ def arena_parts(ctx, num_heads: int, backend, device, head_dim: int = 128, value
 
 
 def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
+    """This rank's checks of one forward call (agreed with every rank by ``agree_call``), then its workspace
+    split: (backend, scale, summary dtype, exchange buffer, arena)."""
     backend = select_backend(q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), deterministic)
     check_inputs(q, k, v, g, beta, ctx, backend.name)
     scale = check_scale(scale, q.shape[-1])
@@ -94,7 +100,32 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
     if values_requested(validate):
         check_values(g, beta, q, k, v)
-    return backend, scale
+    dt = _summary_dtype(backend, q, k, v, g, beta)
+    xbuf, arena = _split_workspace(workspace, ctx, backend, q.shape[1], q.shape[2], v.shape[2], dt, q.device)
+    return backend, scale, dt, xbuf, arena
+
+
+def _forward_properties(checked, q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
+    return call_properties(q, k, v, g, beta, None, checked[1], deterministic, workspace)
+
+
+def _describe(ctx) -> str:
+    return f"rank {ctx.rank} of {ctx.world_size}, layout {ctx.layout!r}, {ctx.num_docs} documents, T = {ctx.num_tokens}"
+
+
+def check_saved(saved, ctx) -> None:
+    """``saved`` is a forward's KdaSaved and ``ctx`` that forward's context (or this rank's view of the same split)."""
+    if not isinstance(saved, KdaSaved):
+        raise TypeError(f"saved must be the KdaSaved that chunk_kda_fwd_kcp returned, got {type(saved).__name__}")
+    if not isinstance(ctx, KcpContext):
+        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
+    if not saved.ctx.same_as(ctx):
+        mine, fwd = _describe(ctx), _describe(saved.ctx)
+        raise ValueError(
+            f"ctx is not the forward's context: the forward ran on {fwd}, ctx is {mine}"
+            + (" (same sizes, different offsets)" if mine == fwd else "")
+            + "; pass the backward the context its forward ran on"
+        )
 
 
 def _workspace_need(ctx, H, backend, device, K, V, dt, passes) -> int:
@@ -177,11 +208,11 @@ class ForwardCall:
     none, then the output pass. Inputs are read, never written."""
 
     def __init__(self, q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
-        self.backend, scale = _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
+        self.backend, scale, dt, xbuf, self.arena = agree_call(
+            ctx, "forward", _prepare, _forward_properties, q, k, v, g, beta, ctx, scale, deterministic, workspace,
+            validate)
         plan, local = ctx.plan, ctx.local
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
-        dt = _summary_dtype(self.backend, q, k, v, g, beta)
-        xbuf, self.arena = _split_workspace(workspace, ctx, self.backend, H, K, V, dt, q.device)
         self.workspace = workspace
         self.local = local
         self.prepared = None
@@ -196,7 +227,7 @@ class ForwardCall:
             state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
             _exchange_and_merge(ctx, self.prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q,
                                 v, dt, xbuf, self.arena, state_in, after_summaries=early)
-        self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic)
+        self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx)
 
     def finish(self) -> torch.Tensor:
         s = self.saved
@@ -215,20 +246,37 @@ def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, val
     return call.finish(), call.saved
 
 
-def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
-    """Returns (dq, dk, dv, dg, dbeta) in the input dtypes."""
-    q, k, v, g, beta = saved.q, saved.k, saved.v, saved.g, saved.beta
+def _backward_checks(do, saved, ctx, workspace):
+    """This rank's checks of one backward call (agreed with every rank by ``agree_call``), then its workspace
+    split: (backend, summary dtype, exchange buffer, arena)."""
+    check_saved(saved, ctx)
+    q, v = saved.q, saved.v
     backend = select_backend(q.device, saved.deterministic)
     check_grad_output(do, q, v)
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
+    dt = _summary_dtype(backend, q, saved.k, v, saved.g, saved.beta)
+    xbuf, arena = _split_workspace(workspace, ctx, backend, q.shape[1], q.shape[2], v.shape[2], dt, q.device)
+    return backend, dt, xbuf, arena
+
+
+def _backward_properties(checked, do, saved, ctx, workspace):
+    return call_properties(saved.q, saved.k, saved.v, saved.g, saved.beta, do, saved.scale, saved.deterministic,
+                           workspace)
+
+
+def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
+    """Returns (dq, dk, dv, dg, dbeta) in the input dtypes."""
+    # the ranks agree on the forward's context: every rank has it, even one that passed a wrong ctx
+    fwd_ctx = saved.ctx if isinstance(saved, KdaSaved) else ctx
+    backend, dt, xbuf, arena = agree_call(fwd_ctx, "backward", _backward_checks, _backward_properties, do, saved, ctx,
+                                          workspace)
+    q, k, v, g, beta = saved.q, saved.k, saved.v, saved.g, saved.beta
     if backend.name == "cuda":
         do = do.to(torch.bfloat16)  # the kernels read the output's dtype
     do = do.contiguous()
     plan, local = ctx.plan, ctx.local
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    dt = _summary_dtype(backend, q, k, v, g, beta)
-    xbuf, arena = _split_workspace(workspace, ctx, backend, H, K, V, dt, q.device)
     passes = workspace.lean_passes if workspace is not None else None
     prepared = backend.bwd_prepare(q, k, v, g, beta, do, saved.scale, local, arena, passes)  # records, once
     dstate_out = None
@@ -244,6 +292,20 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
     if workspace is not None:
         workspace.end_use()
     return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
+
+
+DOUBLE_BACKWARD = (
+    "kda_kcp: chunk_kda_kcp is not twice differentiable (its backward kernels have no backward of their own): the "
+    "gradients of a backward(create_graph=True) through it cannot be differentiated again"
+)
+
+
+def _not_differentiable(grads, sources):
+    """``grads`` (of a create_graph=True backward) behind one autograd node whose backward raises DOUBLE_BACKWARD.
+    The node takes the tensors the gradients depend on (``sources``) as inputs too, so that any later backward
+    toward them runs it, instead of treating the gradients as constants."""
+    node = torch._C._functions.DelayedError(DOUBLE_BACKWARD.encode(), len(grads) + len(sources))
+    return node(*grads, *sources)[: len(grads)]
 
 
 # The differentiable call is two autograd nodes. KdaKcpInputs makes the ForwardCall (its first step), keeps
@@ -272,8 +334,13 @@ class KdaKcpInputs(torch.autograd.Function):
     def backward(fctx, do):
         ctx, scale, deterministic, workspace = fctx.kcp
         q, k, v, g, beta, *extra = fctx.saved_tensors
-        saved = KdaSaved(q, k, v, g, beta, extra[0] if extra else None, scale, deterministic)
-        grads = backward_kcp(do, saved, ctx, workspace)
+        saved = KdaSaved(q, k, v, g, beta, extra[0] if extra else None, scale, deterministic, ctx)
+        if not torch.is_grad_enabled():
+            grads = backward_kcp(do, saved, ctx, workspace)
+        else:  # backward(create_graph=True): the kernels have no backward, so one through these gradients raises
+            with torch.no_grad():
+                grads = backward_kcp(do, saved, ctx, workspace)
+            grads = _not_differentiable(grads, (q, k, v, g, beta, do))
         return (*grads, None, None, None, None, None, None)
 
 

@@ -162,3 +162,21 @@ def test_gradients_flow_only_to_inputs_that_ask():
     o.backward(do)
     assert q.grad is not None and q.grad.shape == q.shape
     assert all(not x.requires_grad for x in inputs[1:])
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_double_backward_raises(deterministic):
+    """The gradients of a create_graph=True backward are the plain ones; differentiating them again raises (the
+    kernels are not twice differentiable), also where do does not ask for a gradient."""
+    inputs, do = make_inputs(CU, seed=8)
+    ctx = kda_kcp.build_context_kcp(CU)
+    plain = step(inputs, do, ctx, deterministic=deterministic)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o = kda_kcp.chunk_kda_kcp(*leaves, ctx, deterministic=deterministic)
+    grads = torch.autograd.grad(o, leaves, do, create_graph=True)
+    for a, b in zip(plain[1:], grads):
+        assert torch.equal(a, b)
+    for i, gr in enumerate(grads):
+        with pytest.raises(RuntimeError, match="chunk_kda_kcp is not twice differentiable"):
+            torch.autograd.grad((gr * gr).sum(), leaves, allow_unused=True)
+        assert all(x.grad is None for x in leaves), i
