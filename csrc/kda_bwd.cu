@@ -268,11 +268,6 @@ constexpr bool kBwdChunkMajor = KDA_BWD_CHUNK_MAJOR != 0;
 inline dim3 prep_grid(int nchunks, int H) {  // chunk_prep::own_chunk_head's order
   return kBwdChunkMajor ? dim3(static_cast<unsigned>(nchunks) * H) : dim3(nchunks, H);
 }
-inline dim3 grads_grid(int nchunks, int H) {  // grads_kernel's (c, h)
-  if (!kBwdChunkMajor) return dim3(nchunks, H);
-  const int ny = nchunks < 65535 ? nchunks : 65535;
-  return dim3(H, ny, (nchunks + 65534) / 65535);
-}
 
 // ================================================================================================
 // prep (kda_chunk_prep.cuh, the forward's kernel shape) into the backward's record
@@ -1032,8 +1027,9 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   if (kGradsWgmma && (smem_u32(smem) & 1023) != 0) __trap();  // wgmma's swizzle is on address bits
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // (chunk-major: grid (H, chunks in pieces of 65,535, pieces), so that c and h stay cheap to re-read)
-  const int c = kBwdChunkMajor ? blockIdx.y + 65535 * blockIdx.z : blockIdx.x;
+  // (chunk-major: grid (H, chunks in pieces of kMaxGridY, pieces), so that c and h stay cheap to re-read; every CTA
+  // has a chunk: launch_grads_nw)
+  const int c = kBwdChunkMajor ? blockIdx.y + kMaxGridY * blockIdx.z : blockIdx.x;
   const int h = kBwdChunkMajor ? blockIdx.x : blockIdx.y, H = a.H;
   const int64_t tok = a.chunks[2 * c];
   const int nrows = a.chunks[2 * c + 1];
@@ -1672,6 +1668,29 @@ cudaError_t launch_walk_nw(const Args& a, cudaStream_t s) {
   if constexpr (REV) return launch(rev_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Sh::NT, 2 * Sh::RW_STAGE, a, s);
   else return launch(fwd_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Sh::NT, 2 * Sh::FW_STAGE, a, s);
 }
+// The gradient kernel of NW warps over every chunk of a. Chunk-major: grid (H, kMaxGridY, pieces) over the whole
+// pieces of kMaxGridY chunks, then (H, the rest) over the rest (its chunk rows, records, h and dh from its first
+// chunk on), so that every CTA has a chunk. (A grid rounded up would need a bounds test in the kernel, and its early
+// exit moves ptxas' register allocation: grads_kernel<16> spills 152 / 352 bytes (stores / loads) instead of 92 / 212.)
+template <int NW>
+cudaError_t launch_grads_nw(const Args& a, cudaStream_t s) {
+  using T = GradsTiling<NW>;
+  if (!kBwdChunkMajor) return launch(grads_kernel<NW>, dim3(a.nchunks, a.H), T::NTH, T::SMEM, a, s);
+  const int whole = a.nchunks / kMaxGridY, rest = a.nchunks % kMaxGridY;
+  if (whole > 0) {
+    const cudaError_t err = launch(grads_kernel<NW>, dim3(a.H, kMaxGridY, whole), T::NTH, T::SMEM, a, s);
+    if (err != cudaSuccess || rest == 0) return err;
+  }
+  Args r = a;
+  const int64_t c0 = static_cast<int64_t>(whole) * kMaxGridY, at = c0 * a.H;  // the rest's first chunk-head
+  r.chunks = a.chunks + 2 * c0;
+  r.prep = a.prep + at * kPrepBytes;
+  r.h = a.h + at * kHiStateBytes;
+  r.dh = a.dh + at * kDhStateBytes;
+  r.nchunks = rest;
+  return launch(grads_kernel<NW>, dim3(a.H, rest), T::NTH, T::SMEM, r, s);
+}
+
 template <bool REV, bool SUMMARY>
 cudaError_t launch_walk(const Args& a, int warps, cudaStream_t s) {
   if (a.nruns == 0 || a.H == 0) return cudaSuccess;
@@ -1692,9 +1711,7 @@ cudaError_t launch_rev_walk(const Args& a, int warps, cudaStream_t s) { return l
 cudaError_t launch_rev_summary(const Args& a, int warps, cudaStream_t s) { return launch_walk<true, true>(a, warps, s); }
 cudaError_t launch_grads(const Args& a, int warps, cudaStream_t s) {
   if (a.nchunks == 0 || a.H == 0) return cudaSuccess;
-  if (warps == 16)
-    return launch(grads_kernel<16>, grads_grid(a.nchunks, a.H), GradsTiling<16>::NTH, GradsTiling<16>::SMEM, a, s);
-  return launch(grads_kernel<8>, grads_grid(a.nchunks, a.H), GradsTiling<8>::NTH, GradsTiling<8>::SMEM, a, s);
+  return warps == 16 ? launch_grads_nw<16>(a, s) : launch_grads_nw<8>(a, s);
 }
 
 }  // namespace bwd

@@ -83,6 +83,8 @@ B::Args walk_args(const TensorView& prep, const TensorView& chunks, const Tensor
                   int64_t H, int dev) {
   check_table(chunks, "chunk table", 2, dev);
   check_table(rows, rows_name, 4, dev);
+  TVM_FFI_CHECK(H >= 1 && H <= 65535, ValueError) << "H must be in [1, 65535]";  // gridDim.y
+  TVM_FFI_CHECK(rows.size(0) <= 0x7fffffff, ValueError) << rows_name << " longer than 2^31 - 1 rows";
   check_prep(prep, chunks.size(0), H, dev);
   return base_args(chunks, rows, H, prep);
 }

@@ -506,8 +506,16 @@ cudaError_t launch_walk(const WalkArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
   if (err == cudaSuccess) err = set_max_shared_carveout(kern);
   if (err != cudaSuccess) return err;
-  kern<<<dim3(Cfg::TILES, a.nseg, a.H), Cfg::NT, Cfg::SMEM, stream>>>(a);
-  return cudaGetLastError();
+  // segments on gridDim.y: one launch per kMaxGridY rows of the table (a row holds all a CTA reads of it)
+  for (int64_t s0 = 0; s0 < a.nseg; s0 += kMaxGridY) {
+    WalkArgs rows = a;
+    rows.segs = a.segs + 8 * s0;
+    rows.nseg = static_cast<int>(a.nseg - s0 < kMaxGridY ? a.nseg - s0 : kMaxGridY);
+    kern<<<dim3(Cfg::TILES, rows.nseg, a.H), Cfg::NT, Cfg::SMEM, stream>>>(rows);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 template <bool OUT>

@@ -66,7 +66,8 @@ kda::WalkArgs walk_args(const TensorView& v, const TensorView& ws, const TensorV
   check_thd(v, "v", v.size(0), v.size(1), kDLBfloat, 16, dev);
   check_table(chunks, "chunk table", 2, dev);
   check_table(segs, "segment table", 8, dev);
-  TVM_FFI_CHECK(segs.size(0) <= 65535 && v.size(1) <= 65535, ValueError) << "too many segments or heads";
+  TVM_FFI_CHECK(v.size(1) >= 1 && v.size(1) <= 65535, ValueError) << "H must be in [1, 65535]";  // gridDim.z
+  TVM_FFI_CHECK(segs.size(0) <= 0x7fffffff, ValueError) << "segment table longer than 2^31 - 1 rows";
   check_ws(ws, chunks.size(0) * v.size(1), dev);
   kda::WalkArgs a{};
   a.v = v.data_ptr();

@@ -32,7 +32,7 @@ import torch
 
 from ..arena import Arena, tensor_bytes
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_tensors, env_choice, side_streams, sm_count, state_bytes
+from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count, state_bytes
 
 __all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
            "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load",
@@ -788,6 +788,7 @@ class PreparedBackward:
         self.scale, self.plan, self.passes = float(scale), plan, passes
         self.dev = q.device
         self.H = q.shape[1]
+        check_grid_bounds(self.H, plan.num_chunks)
         self.arena = arena if arena is not None else Arena(None, self.dev)
         self.active = q.shape[0] > 0 and plan.num_runs > 0
         self.mod = load(self.dev) if self.active else None

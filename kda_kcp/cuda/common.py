@@ -8,9 +8,12 @@ import os
 
 import torch
 
-__all__ = ["_D", "_c", "check_tensors", "sm_count", "planning_sm_count", "state_bytes", "env_choice", "side_streams"]
+__all__ = ["_D", "_c", "check_tensors", "check_grid_bounds", "sm_count", "planning_sm_count", "state_bytes",
+           "env_choice", "side_streams"]
 
 _D = 128  # the kernels' head dim (K = V)
+MAX_GRID_Y = 65535  # CUDA's bound on gridDim.y and gridDim.z (csrc/kda_common.cuh kMaxGridY)
+MAX_GRID_X = 2**31 - 1  # ... on gridDim.x
 
 
 def state_bytes(n: int, heads: int) -> int:
@@ -71,6 +74,18 @@ def check_tensors(where: str, q, k, v, g, beta, do=None) -> None:
         want = (T, H) if name == "beta" else (T, H, _D)
         if tuple(t.shape) != want:
             raise ValueError(f"{where}: {name} must be {list(want)}, got {list(t.shape)}")
+
+
+def check_grid_bounds(heads: int, num_chunks: int) -> None:
+    """The bounds of the kernels' grids that a call's shapes can reach, checked before any kernel runs: the walks and
+    merges put the heads on gridDim.y or z (at most 65,535), the preps one CTA per chunk-head on gridDim.x (at most
+    2^31 - 1). Chunk, segment and run counts have no bound of their own (the gradient kernel folds its chunks into
+    gridDim.z, the forward's walks launch 65,535 segments at a time)."""
+    if heads > MAX_GRID_Y:
+        raise ValueError(f"the CUDA backend runs at most {MAX_GRID_Y:,} heads (a CUDA grid dimension), got H = {heads:,}")
+    if num_chunks * heads > MAX_GRID_X:
+        raise ValueError(f"the CUDA backend runs at most 2^31 - 1 chunk-heads per call (a CUDA grid dimension), got "
+                         f"{num_chunks:,} chunks x {heads:,} heads; split the batch")
 
 
 def env_choice(var: str, default: str, choices: tuple) -> str:

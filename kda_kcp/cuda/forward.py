@@ -29,7 +29,7 @@ import torch
 
 from ..arena import Arena, tensor_bytes
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_tensors, env_choice, side_streams, sm_count, state_bytes
+from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count, state_bytes
 
 __all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
            "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
@@ -388,6 +388,7 @@ class PreparedForward:
         self.scale, self.plan = float(scale), plan
         self.dev = self.q.device
         self.H = self.q.shape[1]
+        check_grid_bounds(self.H, plan.num_chunks)
         self.arena = arena if arena is not None else Arena(None, self.dev)
         self.tabs = forward_tables(plan, self.H, self.dev)
         self.mod = load(self.dev) if plan.num_runs else None

@@ -1,6 +1,10 @@
 // CPU emulation of the CUDA runtime pieces the kernels in csrc/ use (tests/test_kernel_emulation.py):
 // one OS thread per CUDA thread, a barrier per block (__syncthreads) and per warp (shuffles, ldmatrix,
 // mma), blocks run one after another over a 256 KiB shared-memory buffer filled with garbage first.
+// A launch past the grid's bounds runs nothing and leaves cudaErrorInvalidConfiguration for cudaGetLastError, as
+// on the GPU; gridDim.y's bound is CUDA's 65,535 unless -DKDA_EMU_MAX_GRID_Y=n makes it n (the emulated
+// kda_common.cuh's kMaxGridY follows it), so that a test reaches the kernels' paths past it with a few blocks
+// (tests/test_kernel_grids.py: 2).
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -26,11 +30,17 @@ template <class T> inline T __ldg(const T* p) { return *p; }
 typedef void* cudaStream_t;
 constexpr int cudaSuccess = 0;
 constexpr int cudaErrorInvalidValue = 1;
+constexpr int cudaErrorInvalidConfiguration = 9;
+#ifndef KDA_EMU_MAX_GRID_Y
+#define KDA_EMU_MAX_GRID_Y 65535
+#endif
+constexpr unsigned kEmuMaxGridX = 0x7fffffffu, kEmuMaxGridY = KDA_EMU_MAX_GRID_Y, kEmuMaxGridZ = 65535;
 constexpr int cudaFuncAttributeMaxDynamicSharedMemorySize = 0;
 constexpr int cudaFuncAttributePreferredSharedMemoryCarveout = 1;
 constexpr int cudaSharedmemCarveoutMaxShared = 100;
 inline const char* cudaGetErrorString(int) { return "emu"; }
-inline int cudaGetLastError() { return 0; }
+inline int g_last_error = 0;  // the latest launch error, cleared by cudaGetLastError
+inline int cudaGetLastError() { const int e = g_last_error; g_last_error = 0; return e; }
 template <class K> inline int cudaFuncSetAttribute(K, int, int) { return 0; }
 struct dim3 { unsigned x, y, z; dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {} };
 struct uint3e { unsigned x, y, z; };
@@ -99,6 +109,11 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 template <class K, class A>
 inline void emu_launch(K kern, dim3 grid, int threads, int, cudaStream_t, const A& a) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > kEmuMaxGridX || grid.y > kEmuMaxGridY ||
+      grid.z > kEmuMaxGridZ || threads < 1 || threads > 1024) {
+    g_last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x) {

@@ -15,6 +15,7 @@
 #include <vector>
 namespace kda {
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxGridY = kEmuMaxGridY;  // the emulated device's bound (cuda_runtime.h)
 inline float fexp(float x) { return std::exp2(x * kLog2e); }
 inline float fexp_ftz(float x) { const float y = std::exp2(x * kLog2e); return y < 1.17549435e-38f ? 0.f : y; }
 inline float frcp(float x) { return 1.f / x; }
