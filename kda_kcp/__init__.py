@@ -14,6 +14,7 @@ import torch
 from . import det, nondet
 from .context import KcpContext, build_context_kcp
 from .partition import LAYOUTS, partition_kcp
+from .status import check_status
 from .validate import check_flag
 from .workspace import WorkspaceKcp
 
@@ -31,6 +32,7 @@ __all__ = [
     "kda_workspace_bytes_kcp",
     "kda_saved_bytes_kcp",
     "kda_comm_bytes_kcp",
+    "check_status",
 ]
 
 _warned_forced_det = False

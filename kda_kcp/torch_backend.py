@@ -15,6 +15,7 @@ import torch
 
 from .chunk import Prep, chunk_grads, chunk_prep, fwd_o
 from .plan import LocalPlan
+from .status import domain_error
 from .walk import Steps, reverse_walk, state_walk
 
 __all__ = ["TorchBackend", "compute_dtype"]
@@ -88,13 +89,23 @@ class TorchBackend:
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
         return None  # its gather indices are built at the first call
 
+    @staticmethod
+    def check_domain(q, k, v, g, beta) -> None:
+        """Values outside the domain raise ValueError before anything is computed (kda_kcp.status; a host
+        synchronization, which this backend does not avoid anyway)."""
+        msg = domain_error(q, k, v, g, beta)
+        if msg is not None:
+            raise ValueError(msg)
+
     def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False):
+        self.check_domain(q, k, v, g, beta)
         return _Prepared(
             lambda ids: self.fwd_summaries(q, k, v, g, beta, scale, plan, ids),
             lambda state_in: self.fwd_output(q, k, v, g, beta, scale, plan, state_in),
         )
 
     def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None):
+        self.check_domain(q, k, v, g, beta)
         return _Prepared(
             lambda ids: self.bwd_summaries(q, k, v, g, beta, do, scale, plan, ids),
             lambda state_in, dstate_out: self.bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out),

@@ -43,7 +43,7 @@ def main():
         cu, q, k, v, g, beta = step_inputs(DOCS, H, dev)
         ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
         pf = forward.PreparedForward(q, k, v, g, beta, 128 ** -0.5, ctx.local)
-        prep = lambda: pf.mod.fwd_prep(pf.q, pf.k, pf.g, pf.beta, pf.tabs.chunks, pf.ws, pf.scale)  # noqa: E731
+        prep = lambda: pf.mod.fwd_prep(pf.q, pf.k, pf.g, pf.beta, pf.tabs.chunks, pf.ws, pf.scale, pf.word)  # noqa: E731
         main_s = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side_hi = torch.cuda.Stream(priority=-1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import status
 from . import backward, forward
 
 __all__ = ["CudaBackend"]
@@ -33,6 +34,7 @@ class CudaBackend:
             return
         forward.load(device)
         backward.load(device)
+        status.word(device)  # made here, before any call (and so outside any CUDA graph capture)
         self._loaded.add(key)
 
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
