@@ -385,7 +385,7 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
     const int j = rq * 16 + i;
     const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
     const uint32_t qw = *reinterpret_cast<const uint32_t*>(sQ + j * D + d0);
-    finite = status::probe_bf16x2(status::probe_bf16x2(finite, qw), kk[i]);
+    finite = status::probe_bf16x2(finite, status::probe_bf16x2(kk[i], qw));  // (k, or NaN if q is not finite)
     const float2 qf = bf2_to_f2(qw);
     const float e0 = fexp_ftz(G0[i] - an0), e1 = fexp_ftz(G1[i] - an1);  // <= 1
     const float kr0 = kf.x * e0, kr1 = kf.y * e1, qr0 = qf.x * e0, qr1 = qf.y * e1;

@@ -54,8 +54,9 @@ __device__ __forceinline__ unsigned beta_code(float b) {
   return fabsf(b) <= kFloatMax ? kBetaRange : kNonFinite;
 }
 
-// A finiteness probe over bf16 pairs: acc = x * 0 + acc stays a pair of zeros while every x is finite and becomes
-// NaN at the first Inf or NaN (one HFMA2 per pair). Start from 0u; probe_code(acc) reads the verdict.
+// A finiteness probe over bf16 pairs, one HFMA2 per pair: x * 0 + acc is acc while x is finite and NaN when x is
+// Inf or NaN. Folded over values from acc = 0u it stays a pair of zeros until the first Inf or NaN; probe_code reads
+// the verdict. (probe_bf16x2(k, q) is k, or NaN if q is not finite: q and k in one chain of half the length.)
 __device__ __forceinline__ uint32_t probe_bf16x2(uint32_t acc, uint32_t x) {
   const uint32_t zero = 0u;
   const __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&x),

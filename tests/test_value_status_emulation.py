@@ -158,3 +158,21 @@ def test_cuda_path_returns_nan_and_the_next_call_raises(emu, monkeypatch, clean_
     with pytest.raises(ValueError, match=r"beta outside \[0, 1\]"):
         kda_kcp.check_status()
     kda_kcp.check_status()  # reset by the first
+
+
+def test_published_summaries_are_nan(emu, monkeypatch, clean_status):
+    """The summaries a KCP rank publishes (forward M, E; backward M^T, F) are set to NaN when its preps saw a value
+    outside the domain, so the other ranks' outputs turn NaN rather than wrong."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    plan, inputs, do, *_ = _case(CU, H, 5)
+    M, E = forward.PreparedForward(*inputs, SCALE, plan).summaries((1,))
+    assert torch.isfinite(M).all() and torch.isfinite(E).all()
+    bad = _set(inputs, "g", -30.0)
+    M, E = forward.PreparedForward(*bad, SCALE, plan).summaries((1,))
+    assert torch.isnan(M).all() and torch.isnan(E).all()
+    with pytest.raises(ValueError, match="g below -5"):  # the next call
+        cb.PreparedBackward(*inputs, do, SCALE, plan)
+    Mt, F = cb.PreparedBackward(*bad, do, SCALE, plan).summaries((1,))
+    assert torch.isnan(Mt).all() and torch.isnan(F).all()
+    with pytest.raises(ValueError, match="g below -5"):
+        kda_kcp.check_status()

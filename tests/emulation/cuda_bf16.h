@@ -15,8 +15,8 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
 inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.x), __bfloat162float(v.y)}; }
-// fma.rn.bf16x2 (the product of two bf16 is exact in FP32, so one FP32 fma rounded to bf16 is exact but for ties of
-// that double rounding, which no caller here meets: kda_status.cuh multiplies by zero)
+// fma.rn.bf16x2 as an FP32 fma rounded to bf16 (the hardware rounds once: the two differ only in a tie of the double
+// rounding, which kda_status.cuh's products by zero never meet)
 inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
   return {__float2bfloat16_rn(std::fma(__bfloat162float(a.x), __bfloat162float(b.x), __bfloat162float(c.x))),
           __float2bfloat16_rn(std::fma(__bfloat162float(a.y), __bfloat162float(b.y), __bfloat162float(c.y)))};

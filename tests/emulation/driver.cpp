@@ -1,4 +1,5 @@
-// C entry points of the emulated kernels (backward, forward, merge) for ctypes (tests/test_kernel_emulation.py).
+// C entry points of the emulated kernels (backward, forward, merge, the status fill) for ctypes
+// (tests/test_kernel_emulation.py, tests/test_value_status_emulation.py).
 #include "kda_bwd.h"
 using namespace kda::bwd;
 extern "C" {
