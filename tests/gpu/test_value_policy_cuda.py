@@ -120,20 +120,24 @@ def test_check_status_raises_at_once_and_resets(data):
 
 
 def test_no_host_synchronization(data):
-    """A bad call, and the next call that raises, under torch's sync debug mode "error"."""
+    """A bad fwd + bwd, and the next call that raises, under torch's sync debug mode "error" (with a workspace, as
+    tests/gpu/test_workspace_cuda.py runs calls that never block the host)."""
     inputs, do, ctx = data
-    _step(inputs, do, ctx)
+    ws = kda_kcp.WorkspaceKcp(ctx, H)
+    _step(inputs, do, ctx, ws)
+    bad = _set(inputs, "g", 0.5)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kda_kcp.chunk_kda_fwd_kcp(*_set(inputs, "g", 0.5), ctx)
+        o, saved = kda_kcp.chunk_kda_fwd_kcp(*bad, ctx, workspace=ws)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+    assert _all_nan(o)
     torch.cuda.set_sync_debug_mode("error")
     try:
         with pytest.raises(ValueError, match="g above 0"):
-            kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx)
+            kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx, workspace=ws)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 
