@@ -161,6 +161,7 @@ def main():
                   f"{m['total_ms']:.2f} | {f or '-'} | {f / m['total_ms'] if f else 0:.1f}x |")
         return
 
+    from kda_kcp import status
     from kda_kcp.cuda import forward
     from kda_kcp.plan import LocalPlan, build_plan
     from kda_kcp.reference import naive_kda
@@ -233,7 +234,7 @@ def main():
                 o = torch.empty_like(q)
 
                 def prep():
-                    mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, scale)
+                    mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, scale, status.word(q.device))
 
                 def summ():
                     if tabs.num_summary:

@@ -311,7 +311,7 @@ struct BwdRecord {
 
 __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
-  const chunk_prep::Inputs in{a.q, a.k, a.v, a.g, a.beta, a.chunks, a.H, a.scale};
+  const chunk_prep::Inputs in{a.q, a.k, a.v, a.g, a.beta, a.chunks, a.H, a.scale, a.status};
   const int2 at = chunk_prep::own_chunk_head<BwdRecord>(a.H);
   char* rec = a.prep + (static_cast<int64_t>(at.x) * a.H + at.y) * kPrepBytes;
   chunk_prep::prep_chunk<BwdRecord>(in, rec, smem, at.x, at.y);

@@ -103,6 +103,7 @@ struct Args {
   void* dv;
   float* dg;
   void* dbeta;
+  int* status;  // prep: the value-domain status word (kda_status.cuh)
 };
 
 cudaError_t launch_prep(const Args& a, cudaStream_t s);

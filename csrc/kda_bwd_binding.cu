@@ -6,6 +6,7 @@
 #include "kda_bwd.h"
 #include "kda_affine_merge_binding.h"
 #include "kda_ffi_checks.h"
+#include "kda_status_binding.h"
 
 #include "kda_build_identity.h"
 KDA_EXPORT_BUILD_IDENTITY();
@@ -116,9 +117,10 @@ B::Args chunk_args(const TensorView& chunks, TensorView prep, int64_t H, const T
   return a;
 }
 
-// prep records of every chunk in `chunks` (rows (first token, rows)).
+// prep records of every chunk in `chunks` (rows (first token, rows)); values outside the domain set bits of the
+// status word (kda_status.cuh).
 void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView beta, TensorView chunks,
-              TensorView prep, double scale) {
+              TensorView prep, double scale, TensorView status) {
   const int dev = q.device().device_id;
   TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
   const int64_t T = q.size(0), H = q.size(1);
@@ -129,6 +131,7 @@ void bwd_prep(TensorView q, TensorView k, TensorView v, TensorView g, TensorView
       << "too many (chunk, head) records for one launch (the prep's 32-bit block index)";
   check_prep(prep, chunks.size(0), H, dev);
   B::Args a = chunk_args(chunks, prep, H, q, k, v, g, beta, scale);
+  a.status = status_word(status, dev);
   raise_on(B::launch_prep(a, stream_of(q)), "kda bwd_prep launch");
 }
 
@@ -242,3 +245,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_rev_summary, bwd_rev_summary);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_fwd_summary, bwd_fwd_summary);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_fold, kda::ffi_checks::merge_fold);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bwd_grads, bwd_grads);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(status_fill, kda::ffi_checks::status_fill);

@@ -4,9 +4,12 @@
 // (diagonal blocks by substitution, the others by level in 3xTF32); W = A diag(beta) (K o exp G). The record
 // format is the caller's: a record policy `Rec` (FwdRecord in kda_fwd.cu, BwdRecord in kda_bwd.cu) says where each
 // piece goes and whether the backward's extras are made (Rec::kBwd: P, A, U, L from K_r hi x Cc hi + lo instead of hi x hi).
+// On the way it tests the values it holds against the domain (g, beta, q, k; the backward's v) and reports any outside
+// it in the status word (kda_status.cuh).
 #pragma once
 
 #include "kda_common.cuh"
+#include "kda_status.cuh"
 #include "kda_tile_copy.cuh"
 
 namespace kda {
@@ -286,6 +289,7 @@ struct Inputs {
   const int32_t* chunks;  // [nchunk][2] = (tok_start, nrows)
   int H;
   float scale;
+  int* status;  // the value-domain status word (kda_status.cuh)
 };
 
 // A prep CTA's (chunk, head) from its place in launch order (linear block index b). The forward's prep is chunk-major
@@ -375,11 +379,14 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
   const float eq0 = a.scale * ex0, eq1 = a.scale * ex1;           // s exp(G_a)
   const float ek0 = ONE ? fexp_ftz(gl0 - an0) : 0.f, ek1 = ONE ? fexp_ftz(gl1 - an1) : 0.f;  // exp(G_63 - G_a)
   uint32_t xr[ONE ? 16 : 1], qgr[ONE && !Rec::kBwd ? 16 : 1], kgr[ONE && !Rec::kBwd ? 16 : 1];
+  uint32_t finite = 0u;  // the q and k pairs' finiteness probe (kda_status.cuh)
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int j = rq * 16 + i;
     const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-    const float2 qf = bf2_to_f2(*reinterpret_cast<const uint32_t*>(sQ + j * D + d0));
+    const uint32_t qw = *reinterpret_cast<const uint32_t*>(sQ + j * D + d0);
+    finite = status::probe_bf16x2(finite, status::probe_bf16x2(kk[i], qw));  // (k, or NaN if q is not finite)
+    const float2 qf = bf2_to_f2(qw);
     const float e0 = fexp_ftz(G0[i] - an0), e1 = fexp_ftz(G1[i] - an1);  // <= 1
     const float kr0 = kf.x * e0, kr1 = kf.y * e1, qr0 = qf.x * e0, qr1 = qf.y * e1;
     *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kr0, kr1);
@@ -403,6 +410,7 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
               : pack_bf16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
     }
   }
+  status::report(a.status, status::probe_code(finite));
   __syncthreads();
 
   // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once ----
@@ -505,7 +513,18 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   load_rows<NT, C, D / 8>(reinterpret_cast<__nv_bfloat16*>(smem + P_L), D, q + (tok * H + h) * D, rstride, nrows, tid,
                           [](int r, int c) { return r * D + c; });
   cp_async_commit();
-  if (tid < C) sBeta[tid] = (tid < nrows) ? __bfloat162float(beta[(tok + tid) * H + h]) : 0.f;
+  unsigned bad = 0u;  // the domain check of the gates and beta this thread holds (kda_status.cuh)
+  if (tid < C) {
+    const float b = (tid < nrows) ? __bfloat162float(beta[(tok + tid) * H + h]) : 0.f;
+    sBeta[tid] = b;
+    bad = status::beta_code(b);
+  }
+  {
+    status::GateRange range;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) range.add(G0[i], G1[i]);
+    status::report(a.status, bad | range.code());
+  }
 
   // ---- cumsum of g per 16-row block, then block offsets ----
 #pragma unroll
@@ -588,6 +607,8 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   // ---- W = A diag(beta) X (and the backward's U = A diag(beta) V). Warp: row blocks {mp, 3 - mp},
   //      columns 32 nq .. ----
   const int mp = warp & 1, nq = warp >> 1;
+  uint32_t v_finite = 0u;  // the backward's V pairs' finiteness probe over the B fragments of row block 3, which
+                           // hold every row of V's columns 32 nq .. (the warps of mp = 0; kda_status.cuh)
 #pragma unroll
   for (int which = 0; which < (Rec::kBwd ? 2 : 1); ++which) {
     const __nv_bfloat16* B = which == 0 ? sX : reinterpret_cast<const __nv_bfloat16*>(smem + P_V);
@@ -611,6 +632,9 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
           for (int np = 0; np < 2; ++np) {
             uint32_t b[4];
             ldb_t<128>(b, B, ks * 16, nq * 32 + np * 16, lane);
+            if (Rec::kBwd && which == 1 && mp == 0 && u == 1)  // block 3: every row of V's columns 32 nq ..
+#pragma unroll
+              for (int e = 0; e < 4; ++e) v_finite = status::probe_bf16x2(v_finite, b[e]);
             mma_n16(acc[u][2 * np], acc[u][2 * np + 1], ah, b);
             mma_n16(acc[u][2 * np], acc[u][2 * np + 1], al, b);
           }
@@ -622,6 +646,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     float us = 1.f;
     if constexpr (Rec::kBwd) {
       if (which == 1) {
+        status::report(a.status, status::probe_code(v_finite));
         float m = 0.f;
 #pragma unroll
         for (int u = 0; u < 2; ++u)

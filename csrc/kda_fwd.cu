@@ -114,7 +114,7 @@ constexpr int PREP_SMEM = chunk_prep::SMEM;
 
 __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
   extern __shared__ __align__(128) char smem[];
-  const chunk_prep::Inputs in{a.q, a.k, nullptr, a.g, a.beta, a.chunks, a.H, a.scale};
+  const chunk_prep::Inputs in{a.q, a.k, nullptr, a.g, a.beta, a.chunks, a.H, a.scale, a.status};
   const int2 at = chunk_prep::own_chunk_head<FwdRecord>(a.H);
   char* rec = static_cast<char*>(a.ws) + (static_cast<int64_t>(at.x) * a.H + at.y) * kFwdRecordBytes;
   chunk_prep::prep_chunk<FwdRecord>(in, rec, smem, at.x, at.y);

@@ -28,7 +28,8 @@ struct PrepArgs {
   int nchunk;
   int H;
   float scale;
-  void* ws;  // [nchunk * H] records
+  void* ws;     // [nchunk * H] records
+  int* status;  // the value-domain status word (kda_status.cuh)
 };
 
 struct WalkArgs {

@@ -6,6 +6,7 @@
 #include "kda_affine_merge_binding.h"
 #include "kda_ffi_checks.h"
 #include "kda_fwd.h"
+#include "kda_status_binding.h"
 
 #include "kda_build_identity.h"
 KDA_EXPORT_BUILD_IDENTITY();
@@ -29,9 +30,10 @@ void check_ws(const TensorView& ws, int64_t records, int dev) {
       << "workspace holds " << ws.size(0) << " bytes, needs " << records * kda::kFwdRecordBytes;
 }
 
-// Records of the chunks in `chunks` (rows (tok_start, nrows)) into ws, record index chunk * H + head.
+// Records of the chunks in `chunks` (rows (tok_start, nrows)) into ws, record index chunk * H + head; values outside
+// the domain set bits of the status word (kda_status.cuh).
 void fwd_prep(TensorView q, TensorView k, TensorView g, TensorView beta, TensorView chunks, TensorView ws,
-                 double scale) {
+                 double scale, TensorView status) {
   const int dev = q.device().device_id;
   TVM_FFI_CHECK(q.ndim() == 3, ValueError) << "q must be [T, H, 128]";
   const int64_t T = q.size(0), H = q.size(1);
@@ -57,6 +59,7 @@ void fwd_prep(TensorView q, TensorView k, TensorView g, TensorView beta, TensorV
   a.H = static_cast<int>(H);
   a.scale = static_cast<float>(scale);
   a.ws = ws.data_ptr();
+  a.status = status_word(status, dev);
   raise_on(kda::launch_fwd_prep(a, stream_of(q)), "kda fwd_prep launch");
 }
 
@@ -121,3 +124,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_walk_summary, fwd_walk_summary);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_fold, kda::ffi_checks::merge_fold);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_compose, kda::ffi_checks::merge_compose);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(fwd_record_bytes, fwd_record_bytes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(status_fill, kda::ffi_checks::status_fill);

@@ -16,6 +16,7 @@ from . import nn
 from .context import KcpContext, build_context_kcp
 from .fla import chunk_kda
 from .partition import LAYOUTS, partition_kcp
+from .status import check_status
 from .validate import check_flag
 from .workspace import WorkspaceKcp
 
@@ -35,6 +36,7 @@ __all__ = [
     "kda_comm_bytes_kcp",
     "chunk_kda",
     "nn",
+    "check_status",
 ]
 
 _warned_forced_det = False

@@ -100,6 +100,7 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
     if values_requested(validate):
         check_values(g, beta, q, k, v)
+    backend.check_call(q, k, v, g, beta, ctx.local)
     dt = _summary_dtype(backend, q, k, v, g, beta)
     xbuf, arena = _split_workspace(workspace, ctx, backend, q.shape[1], q.shape[2], v.shape[2], dt, q.device)
     return backend, scale, dt, xbuf, arena
@@ -255,6 +256,7 @@ def _backward_checks(do, saved, ctx, workspace):
     check_grad_output(do, q, v)
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
+    backend.check_call(q, saved.k, v, saved.g, saved.beta, ctx.local)
     dt = _summary_dtype(backend, q, saved.k, v, saved.g, saved.beta)
     xbuf, arena = _split_workspace(workspace, ctx, backend, q.shape[1], q.shape[2], v.shape[2], dt, q.device)
     return backend, dt, xbuf, arena

@@ -15,6 +15,7 @@ import torch
 
 from .chunk import Prep, chunk_grads, chunk_prep, fwd_o
 from .plan import LocalPlan
+from .status import domain_error
 from .walk import Steps, reverse_walk, state_walk
 
 __all__ = ["TorchBackend", "compute_dtype"]
@@ -87,6 +88,15 @@ class TorchBackend:
 
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
         return None  # its gather indices are built at the first call
+
+    @staticmethod
+    def check_call(q, k, v, g, beta, plan) -> None:
+        """This backend's checks of one call, before the ranks agree (kda_kcp.function): values outside the domain
+        raise ValueError before anything is computed (kda_kcp.status; a host synchronization, which this backend
+        does not avoid anyway)."""
+        msg = domain_error(q, k, v, g, beta)
+        if msg is not None:
+            raise ValueError(msg)
 
     def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False):
         return _Prepared(

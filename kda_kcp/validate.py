@@ -106,15 +106,16 @@ def check_inputs(q, k, v, g, beta, ctx, backend_name: str) -> None:
         raise TypeError(f"beta must be a floating tensor, got {beta.dtype}")
 
 
-def check_values(g, beta, *others) -> None:
-    """Value checks (validate=True or KDA_KCP_VALIDATE=1): gate in [-5, 0], beta in [0, 1], all finite."""
-    for name, x in zip(("g", "beta", "q", "k", "v"), (g, beta) + others):
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{name} holds non-finite values (NaN or Inf)")
-    if g.numel() and (float(g.min()) < -5.0 or float(g.max()) > 0.0):
-        raise ValueError(f"g must lie in [-5, 0] (log decay, already activated), got range [{float(g.min())}, {float(g.max())}]")
-    if beta.numel() and (float(beta.min()) < 0.0 or float(beta.max()) > 1.0):
-        raise ValueError(f"beta must lie in [0, 1] (already activated), got range [{float(beta.min())}, {float(beta.max())}]")
+def check_values(g, beta, q, k, v) -> None:
+    """Value checks (validate=True or KDA_KCP_VALIDATE=1) before any kernel, on either backend: the domain of
+    kda_kcp.status (every value finite, g in [-5, 0], beta in [0, 2]), in its words, with one host synchronization.
+    Without them the torch backend checks the same before computing and the CUDA backend reports through the status
+    word."""
+    from .status import domain_error
+
+    msg = domain_error(q, k, v, g, beta)
+    if msg is not None:
+        raise ValueError(msg)
 
 
 def check_grad_output(do, q, v) -> None:

@@ -131,7 +131,7 @@ def _prep(emu, plan, inputs):
     chunks, runs = cb._tables(plan, "cpu")
     nc = chunks.shape[0]
     prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8)
-    assert emu.e_prep(*map(_p, (q, k, v, g, beta, chunks)), nc, H, ctypes.c_float(SCALE), _p(prep)) == 0
+    assert emu.e_prep(*map(_p, (q, k, v, g, beta, chunks)), nc, H, ctypes.c_float(SCALE), _p(prep), None) == 0
     return chunks, runs, prep
 
 
@@ -369,9 +369,9 @@ class _Programs:
         assert rc == 0, f"emulated {what} returned {rc}"
 
     # ---- kda_bwd ----
-    def bwd_prep(self, q, k, v, g, beta, chunks, prep, scale):
+    def bwd_prep(self, q, k, v, g, beta, chunks, prep, scale, status):
         self._ok(self.lib.e_prep(*map(_p, (q, k, v, g, beta, chunks)), chunks.shape[0], q.shape[1],
-                                 ctypes.c_float(scale), _p(prep)), "bwd_prep")
+                                 ctypes.c_float(scale), _p(prep), _p(status)), "bwd_prep")
 
     def bwd_fwd_walk(self, prep, chunks, runs, state_in, fold, state_out, h, warps):
         self._ok(self.lib.e_fwd_walk(_p(prep), _p(chunks), chunks.shape[0], _p(runs), runs.shape[0], h.shape[1],
@@ -400,14 +400,20 @@ class _Programs:
         self._ok(self.lib.e_merge(_p(m), _p(e), _p(chains), chains.shape[0], m.shape[1], _p(init), _p(out), None, 0),
                  "merge_fold")
 
+    def status_fill(self, word, *outputs):
+        ptrs = (ctypes.c_void_p * 5)(*(_p(t).value for t in outputs))
+        n = (ctypes.c_int64 * 5)(*(t.numel() for t in outputs))
+        nbytes = (ctypes.c_int * 5)(*(t.element_size() for t in outputs))
+        self._ok(self.lib.e_status_fill(_p(word), ptrs, n, nbytes), "status_fill")
+
     def merge_compose(self, m, e, chains, m_out, e_out):
         self._ok(self.lib.e_merge(_p(m), _p(e), _p(chains), chains.shape[0], m.shape[1], None, _p(m_out), _p(e_out),
                                   1), "merge_compose")
 
     # ---- kda_fwd ----
-    def fwd_prep(self, q, k, g, beta, chunks, ws, scale):
+    def fwd_prep(self, q, k, g, beta, chunks, ws, scale, status):
         self._ok(self.lib.e_fwd_prep(*map(_p, (q, k, g, beta, chunks)), chunks.shape[0], q.shape[1],
-                                     ctypes.c_float(scale), _p(ws)), "fwd_prep")
+                                     ctypes.c_float(scale), _p(ws), _p(status)), "fwd_prep")
 
     def fwd_walk_output(self, v, ws, chunks, segs, state_in, sin, o, warps):
         self._ok(self.lib.e_fwd_walk_output(_p(v), _p(ws), _p(chunks), _p(segs), segs.shape[0], v.shape[1],

@@ -114,11 +114,12 @@ def test_ctx_and_workspace_types(args):
 def test_value_checks_on_request(args, monkeypatch):
     inputs, _, ctx = args
     hot = _with(inputs, 3, inputs[3] - 6.0)
-    _call(hot, ctx)  # not checked by default
+    with pytest.raises(ValueError, match="g below -5"):  # the torch backend checks by default too (kda_kcp.status)
+        _call(hot, ctx)
     with pytest.raises(ValueError, match=r"g must lie in \[-5, 0\]"):
         _call(hot, ctx, validate=True)
-    with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
-        _call(_with(inputs, 4, inputs[4] + 1.5), ctx, validate=True)
+    with pytest.raises(ValueError, match=r"beta must lie in \[0, 2\]"):
+        _call(_with(inputs, 4, inputs[4] + 2.5), ctx, validate=True)
     nan_q = inputs[0].clone()
     nan_q[3, 1, 2] = float("nan")
     with pytest.raises(ValueError, match="q holds non-finite values"):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import status
 from . import backward, forward
+from .common import check_grid_bounds
 
 __all__ = ["CudaBackend"]
 
@@ -33,6 +35,7 @@ class CudaBackend:
             return
         forward.load(device)
         backward.load(device)
+        status.word(device)  # made here, before any call (and so outside any CUDA graph capture)
         self._loaded.add(key)
 
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
@@ -69,6 +72,14 @@ class CudaBackend:
         # (called from backward_kcp only: the inputs passed check_inputs in the forward, do check_grad_output, and
         # do is bf16 and contiguous by then)
         return backward.PreparedBackward(q, k, v, g, beta, do, scale, plan, arena, passes, checked=True)
+
+    @staticmethod
+    def check_call(q, k, v, g, beta, plan) -> None:
+        """This backend's checks of one call, before the ranks agree (kda_kcp.function), so that what one rank
+        raises here every rank raises: the grid's bounds, and values outside the domain that an earlier call's
+        kernels reported (kda_kcp.status: a poll of landed copies, never a synchronization)."""
+        check_grid_bounds(q.shape[1], plan.num_chunks)
+        status.raise_pending(q.device)
 
     def table_knobs(self) -> tuple:
         """The environment knobs this backend's tables depend on (the forward's and the backward's): a cache of

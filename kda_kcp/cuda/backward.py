@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from .. import status
 from ..arena import Arena, tensor_bytes
 from ..partition import coalesce_ranges
 from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count, state_bytes
@@ -54,7 +55,7 @@ def record_lower_blocks(device="cpu") -> torch.Tensor:
 
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
 ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "bwd_rev_summary", "merge_fold",
-                "bwd_grads")
+                "bwd_grads", "status_fill")
 
 
 def _warps(var: str, default: int) -> int:
@@ -787,6 +788,7 @@ class PreparedBackward:
         self.q, self.k, self.v, self.g, self.beta, self.do = q, k, v, g, beta, do
         self.scale, self.plan, self.passes = float(scale), plan, passes
         self.dev = q.device
+        self.word = status.word(self.dev)
         self.H = q.shape[1]
         check_grid_bounds(self.H, plan.num_chunks)
         self.arena = arena if arena is not None else Arena(None, self.dev)
@@ -796,7 +798,7 @@ class PreparedBackward:
         if self.active and passes is None:
             chunks, _ = _tables(plan, self.dev)
             self.prep = self.arena.empty((chunks.shape[0] * self.H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(q, k, v, g, beta, chunks, self.prep, self.scale)
+            self.mod.bwd_prep(q, k, v, g, beta, chunks, self.prep, self.scale, self.word)
         self.e0 = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes: no carve moves)
 
     def summaries(self, run_ids):
@@ -811,10 +813,11 @@ class PreparedBackward:
         prep = self.prep
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((tabs.chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, tabs.chunks, prep, self.scale)
+            self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, tabs.chunks, prep, self.scale, self.word)
         warps = walk_warps(REV_SUMMARY_SMS * tabs.num_rows * H, sm_count(self.dev))
         if tabs.chains is None:
             self.mod.bwd_rev_summary(self.do, prep, tabs.chunks, tabs.rows, Mt, F, warps)
+            status.fill(self.mod, self.dev, Mt, F)  # NaN, not garbage, for the other ranks (kda_kcp.status)
             return Mt, F
         # segments: every segment's summary at once, then each run's chain composed (the forward's program
         # exports the affine compose; both programs are loaded with the backend)
@@ -822,11 +825,20 @@ class PreparedBackward:
         f = arena.empty((tabs.num_rows, H, _D, _D), torch.float32)
         self.mod.bwd_rev_summary(self.do, prep, tabs.chunks, tabs.rows, mt, f, warps)
         _forward_program(self.dev).merge_compose(mt, f, tabs.chains, Mt, F)
+        status.fill(self.mod, self.dev, Mt, F)
         return Mt, F
 
     def grads(self, state_in=None, dstate_out=None):
         """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run, from each run's incoming state and
-        the gradient of its outgoing state (None: zero)."""
+        the gradient of its outgoing state (None: zero); NaN if the status word is set (kda_kcp.status), which is
+        then copied to the host."""
+        grads = self._grads(state_in, dstate_out)
+        if self.mod is not None:
+            status.fill(self.mod, self.dev, *grads)
+            status.after_call(self.dev)
+        return grads
+
+    def _grads(self, state_in, dstate_out):
         if self.used:  # the forward walk wrote V_new over the records' U
             raise RuntimeError("PreparedBackward.grads runs once per prepared backward")
         self.used = True
@@ -923,6 +935,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     """The lean backward: per-pass prep records, h and dh (sized for the largest pass)."""
     H = q.shape[1]
     dev = q.device
+    word = status.word(dev)
     st = _seg_tables(plan, H, dev)
     lean = _lean_passes(plan, H, dev, passes)
     ncmax = max(p.num_chunks for p in lean)
@@ -947,7 +960,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
             if not p.has_summaries:
                 continue
             prep, _, _ = views(p)
-            mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
+            mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, word)
             if p.fsum.shape[0]:
                 mod.bwd_fwd_summary(prep, p.chunks, p.fsum, m, e, st.summary_warps)
             if p.rsum.shape[0]:
@@ -961,7 +974,7 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     dq, dk, dv, dg, dbeta = grads
     for p in lean:  # (each pass walks a subset of the rows at the whole table's widths: not measured per pass)
         prep, h, dh = views(p)
-        mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale)
+        mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, word)
         _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, e0, dh, st.walk_warps),
                     lambda: mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, e0, h, st.walk_warps), dev)
         mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())

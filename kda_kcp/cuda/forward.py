@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import status
 from ..arena import Arena, tensor_bytes
 from ..partition import coalesce_ranges
 from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count, state_bytes
@@ -316,7 +317,8 @@ def run_group_tables(plan, heads: int, device, sms: int | None = None):
 
 
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
-ENTRY_POINTS = ("fwd_prep", "fwd_walk_summary", "fwd_walk_output", "merge_fold", "merge_compose", "fwd_record_bytes")
+ENTRY_POINTS = ("fwd_prep", "fwd_walk_summary", "fwd_walk_output", "merge_fold", "merge_compose", "fwd_record_bytes",
+                "status_fill")
 
 
 def load(device=None):
@@ -387,6 +389,7 @@ class PreparedForward:
         self.q, self.k, self.v, self.g, self.beta = q, k, v, g, beta
         self.scale, self.plan = float(scale), plan
         self.dev = self.q.device
+        self.word = status.word(self.dev)
         self.H = self.q.shape[1]
         check_grid_bounds(self.H, plan.num_chunks)
         self.arena = arena if arena is not None else Arena(None, self.dev)
@@ -408,7 +411,7 @@ class PreparedForward:
         rec = self.H * RECORD_BYTES
         for c0, c1 in ranges:
             self.mod.fwd_prep(self.q, self.k, self.g, self.beta, self.tabs.chunks[c0:c1], self.ws[c0 * rec:c1 * rec],
-                              self.scale)
+                              self.scale, self.word)
 
     def _prep_rest(self) -> None:
         """The records ``output`` would have made group by group, all now (the KCP summaries read them first)."""
@@ -434,6 +437,7 @@ class PreparedForward:
             m = e = arena.empty(_state_shape(0, H), torch.float32)
         # empty runs: chains of count 0 give M = I, E = 0 (the compose kernel starts from [I | 0])
         self.mod.merge_compose(m, e, tabs.chains, M, E)
+        status.fill(self.mod, self.dev, M, E)  # NaN, not garbage, for the other ranks if a value was out of domain
         return M, E
 
     def reserve_early(self):
@@ -494,7 +498,14 @@ class PreparedForward:
 
     def output(self, state_in=None):
         """o [T, H, 128] bf16 of every run from its incoming state (``state_in`` [R, H, 128, 128] fp32 or
-        None = zero)."""
+        None = zero); NaN if the status word is set (kda_kcp.status), which is then copied to the host."""
+        o = self._output(state_in)
+        if self.mod is not None:
+            status.fill(self.mod, self.dev, o)
+            status.after_call(self.dev)
+        return o
+
+    def _output(self, state_in):
         T, H = self.q.shape[0], self.H
         early = self._o is not None
         o = self._o if early else torch.empty(T, H, _D, dtype=torch.bfloat16, device=self.dev)

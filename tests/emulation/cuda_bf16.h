@@ -1,6 +1,7 @@
 // CPU emulation of the cuda_bf16.h pieces the kernels use (round to nearest even, as the hardware).
 #pragma once
 #include <cuda_runtime.h>  // the vector types
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 struct __nv_bfloat16 { uint16_t x; };
@@ -14,3 +15,9 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
 inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {__bfloat162float(v.x), __bfloat162float(v.y)}; }
+// fma.rn.bf16x2 as an FP32 fma rounded to bf16 (the hardware rounds once: the two differ only in a tie of the double
+// rounding, which kda_status.cuh's products by zero never meet)
+inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
+  return {__float2bfloat16_rn(std::fma(__bfloat162float(a.x), __bfloat162float(b.x), __bfloat162float(c.x))),
+          __float2bfloat16_rn(std::fma(__bfloat162float(a.y), __bfloat162float(b.y), __bfloat162float(c.y)))};
+}

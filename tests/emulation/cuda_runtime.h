@@ -100,6 +100,18 @@ inline bool __any_sync(unsigned, bool pred) {
   w->bar.arrive_and_wait();
   return any;
 }
+// the OR of the warp's values (WarpCtx::u[lane][7]: no mma of the same warp is in flight between these barriers)
+inline unsigned __reduce_or_sync(unsigned, unsigned v) {
+  WarpCtx* w = t_warp;
+  w->u[t_lane][7] = v;
+  w->bar.arrive_and_wait();
+  unsigned r = 0;
+  for (int l = 0; l < 32; ++l) r |= w->u[l][7];
+  w->bar.arrive_and_wait();
+  return r;
+}
+// the threads of a block run at once (OS threads): a real atomic
+inline int atomicOr(int* p, int v) { return std::atomic_ref<int>(*p).fetch_or(v); }
 // per 16-bit half: the larger unsigned value
 inline unsigned __vmaxu2(unsigned a, unsigned b) {
   const unsigned lo = std::max(a & 0xffffu, b & 0xffffu), hi = std::max(a >> 16, b >> 16);

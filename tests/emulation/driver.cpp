@@ -1,9 +1,11 @@
-// C entry points of the emulated kernels (backward, forward, merge) for ctypes (tests/test_kernel_emulation.py).
+// C entry points of the emulated kernels (backward, forward, merge, the status fill) for ctypes
+// (tests/test_kernel_emulation.py, tests/test_value_status_emulation.py).
 #include "kda_bwd.h"
 using namespace kda::bwd;
 extern "C" {
-int e_prep(void* q, void* k, void* v, float* g, void* beta, int32_t* chunks, int nchunks, int H, float scale, char* prep) {
-  Args a{}; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunks = nchunks; a.H = H; a.scale = scale; a.prep = prep;
+// status: the value-domain status word (kda_status.cuh) or null
+int e_prep(void* q, void* k, void* v, float* g, void* beta, int32_t* chunks, int nchunks, int H, float scale, char* prep, int* status) {
+  Args a{}; a.q = q; a.k = k; a.v = v; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunks = nchunks; a.H = H; a.scale = scale; a.prep = prep; a.status = status;
   return launch_prep(a, nullptr);
 }
 // h, dh: the walks' states (kda_bwd.h kHiStateBytes, kDhStateBytes)
@@ -35,8 +37,8 @@ int e_grads(void* q, void* k, void* v, float* g, void* beta, void* dout, int32_t
 #include "kda_affine_merge.cuh"
 #include "kda_fwd.h"
 extern "C" {
-int e_fwd_prep(void* q, void* k, float* g, void* beta, int32_t* chunks, int nchunk, int H, float scale, void* ws) {
-  kda::PrepArgs a{}; a.q = q; a.k = k; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunk = nchunk; a.H = H; a.scale = scale; a.ws = ws;
+int e_fwd_prep(void* q, void* k, float* g, void* beta, int32_t* chunks, int nchunk, int H, float scale, void* ws, int* status) {
+  kda::PrepArgs a{}; a.q = q; a.k = k; a.g = g; a.beta = beta; a.chunks = chunks; a.nchunk = nchunk; a.H = H; a.scale = scale; a.ws = ws; a.status = status;
   return kda::launch_fwd_prep(a, nullptr);
 }
 int e_fwd_walk_output(void* v, void* ws, int32_t* chunks, int32_t* segs, int nseg, int H, float* state_in, float* sin, void* o, int warps) {
@@ -52,4 +54,22 @@ int e_merge(float* m, float* e, int32_t* chains, int nchain, int H, float* init,
   return compose ? kda::launch_merge_compose(a, nullptr) : kda::launch_merge_fold(a, nullptr);
 }
 int e_fwd_record_bytes() { return kda::kFwdRecordBytes; }
+}
+
+// ---- the NaN fill of the value-domain status (csrc/kda_status.cuh), launched as kda_status_binding.h does ----
+#include "kda_status.cuh"
+extern "C" {
+// ptrs, n, bytes: kFillSlots entries each (n 0: unused)
+int e_status_fill(int* word, void** ptrs, int64_t* n, int* bytes) {
+  namespace S = kda::status;
+  S::FillArgs a{};
+  a.word = word;
+  int64_t most = 0;
+  for (int s = 0; s < S::kFillSlots; ++s) {
+    a.ptr[s] = ptrs[s]; a.n[s] = n[s]; a.bytes[s] = bytes[s];
+    most = n[s] > most ? n[s] : most;
+  }
+  if (most > 0) emu_launch(S::fill_nan_kernel<S::kFillSlots>, dim3(S::fill_blocks(most)), S::kFillThreads, 0, nullptr, a);
+  return 0;
+}
 }

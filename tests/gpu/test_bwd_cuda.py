@@ -18,6 +18,7 @@ from gpu_common import make_inputs as _inputs
 
 require_kernel_gpu("the CUDA backward tests")
 
+from kda_kcp import status  # noqa: E402
 from kda_kcp.cuda import backward as cb  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
 
@@ -65,9 +66,9 @@ def test_stages_match_torch_stages():
     h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
     dh = torch.full(cb.scaled_state_shape(nc, H), 255, dtype=torch.uint8, device=DEV)  # NaN words and powers
     e0 = torch.empty(0, device=DEV)
-    mod.bwd_prep(*inputs, chunks, prep, SCALE)
+    mod.bwd_prep(*inputs, chunks, prep, SCALE, status.word(DEV))
     again = torch.full_like(prep, 255)
-    mod.bwd_prep(*inputs, chunks, again, SCALE)
+    mod.bwd_prep(*inputs, chunks, again, SCALE, status.word(DEV))
     assert torch.equal(again, prep), "the prep's records are not bitwise repeatable"
     rec = prep.view(nc, H, cb.PREP_BYTES)
 

@@ -22,6 +22,7 @@ from gpu_common import DEV, fresh_seed, local_plan, make_inputs, random_docs, re
 
 require_kernel_gpu("the CUDA forward tests")
 
+from kda_kcp import status  # noqa: E402
 from kda_kcp.cuda import CudaBackend  # noqa: E402
 from kda_kcp.cuda.forward import forward_tables  # noqa: E402
 from kda_kcp.plan import LocalPlan, build_plan  # noqa: E402
@@ -281,7 +282,7 @@ def test_prep_records_match_formulas(gate):
     ws = torch.full((tabs.num_chunks * H * forward.RECORD_BYTES,), 255, dtype=torch.uint8, device=DEV)
     mod = forward.load(DEV)
     q, k, v, g, beta = inputs
-    mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, 128**-0.5)
+    mod.fwd_prep(q, k, g, beta, tabs.chunks, ws, 128**-0.5, status.word(DEV))
     torch.cuda.synchronize()
     dec = emu.decode_records(ws, tabs.num_chunks, H)
     ref = emu.records(*(x.float().cpu() for x in inputs), 128**-0.5, tabs.chunks.cpu())

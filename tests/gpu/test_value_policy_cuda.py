@@ -1,0 +1,166 @@
+"""Values outside the domain on the CUDA backend with validate off (kda_kcp.status, csrc/kda_status.cuh): the call
+that reads them returns NaN outputs (no finite garbage), the next call raises ValueError naming what was seen, and
+kda_kcp.check_status() raises at once; none of it synchronizes the host. NaN, +Inf, g = +0.5, g = -6 and g = -30
+(and beta = 2.5) in the tensors each prep reads; v is read by the backward's prep only. Clean inputs give the same
+bits as before a bad call and raise nothing; a captured CUDA graph sets its outputs to NaN on a replay with bad
+values and check_status() raises after it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_common import DEV, capture, fresh_seed, make_inputs, require_kernel_gpu
+
+require_kernel_gpu("the CUDA value-policy tests")
+
+import kda_kcp  # noqa: E402
+
+SEED = fresh_seed("value policy cuda")
+CU = [0, 1, 64, 65, 300, 1000]
+H = 2
+NAMES = ("q", "k", "v", "g", "beta")
+AT = (500, 1, 17)  # token (inside the last document), head, channel of the bad value
+
+# (tensor, value) -> the words the error names
+CASES = {
+    **{(n, "nan"): "non-finite q/k/v/g/beta" for n in NAMES},
+    **{(n, "inf"): "non-finite q/k/v/g/beta" for n in NAMES},
+    ("g", 0.5): r"g above 0",
+    ("g", -6.0): r"g below -5",
+    ("g", -30.0): r"g below -5",
+    ("beta", 2.5): r"beta outside \[0, 2\]",
+}
+
+
+@pytest.fixture(scope="module")
+def data():
+    gen = torch.Generator().manual_seed(SEED)
+    inputs = make_inputs(CU[-1], H, gen)
+    do = torch.randn(CU[-1], H, 128, generator=gen).bfloat16().to(DEV)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(CU, device=DEV))
+    return inputs, do, ctx
+
+
+@pytest.fixture(autouse=True)
+def clean_status():
+    """Each test starts and ends with no value error pending."""
+    kda_kcp.check_status()
+    yield
+    torch.cuda.synchronize()
+    kda_kcp.check_status()
+
+
+def _set(inputs, name, value):
+    out = [x.clone() for x in inputs]
+    x = out[NAMES.index(name)]
+    fill = {"nan": float("nan"), "inf": float("inf")}.get(value, value)
+    t, h, c = AT
+    if x.dim() == 3:
+        x[t, h, c] = fill
+    else:
+        x[t, h] = fill
+    return out
+
+
+def _step(inputs, do, ctx, workspace=None):
+    o, saved = kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx, workspace=workspace)
+    return (o, *kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx, workspace=workspace))
+
+
+def _all_nan(x):
+    return bool(torch.isnan(x.float()).all())
+
+
+def _raises_next(inputs, ctx, words):
+    """The next call (a clean forward) raises, naming ``words``."""
+    with pytest.raises(ValueError, match=r"a call issued earlier on cuda:\d read input values outside the domain "
+                                         rf"\({words}.*\): its outputs were set to NaN"):
+        kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx)
+
+
+@pytest.mark.parametrize("name, value", list(CASES))
+def test_bad_value_nan_outputs_then_error_at_the_next_call(data, name, value):
+    """The forward with the bad value (but v, which its prep does not read), then a backward whose saved input was set
+    to it after a clean forward: each returns NaN everywhere and the call after it raises; clean calls after that
+    give the clean results bitwise."""
+    inputs, do, ctx = data
+    clean = _step(inputs, do, ctx)
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(x.float()).all() for x in clean)
+    bad = _set(inputs, name, value)
+    if name != "v":
+        o, _ = kda_kcp.chunk_kda_fwd_kcp(*bad, ctx)
+        torch.cuda.synchronize()  # the status copy has landed: the next call sees it
+        assert _all_nan(o), f"{name} = {value}: o is not NaN everywhere"
+        _raises_next(inputs, ctx, CASES[name, value])
+    mine = [x.clone() for x in inputs]
+    _, saved = kda_kcp.chunk_kda_fwd_kcp(*mine, ctx)
+    mine[NAMES.index(name)].copy_(bad[NAMES.index(name)])  # the saved tensors are references
+    grads = kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx)
+    torch.cuda.synchronize()
+    assert all(_all_nan(x) for x in grads), f"{name} = {value}: a gradient is not NaN everywhere"
+    _raises_next(inputs, ctx, CASES[name, value])
+    again = _step(inputs, do, ctx)  # the error reset the status
+    for x, y in zip(again, clean):
+        assert torch.equal(x, y)
+
+
+def test_check_status_raises_at_once_and_resets(data):
+    inputs, do, ctx = data
+    o, _ = kda_kcp.chunk_kda_fwd_kcp(*_set(inputs, "g", -6.0), ctx)
+    with pytest.raises(ValueError, match=r"a call on cuda:\d read input values outside the domain \(g below -5\)"):
+        kda_kcp.check_status()
+    assert _all_nan(o)
+    kda_kcp.check_status()  # reset
+    kda_kcp.chunk_kda_fwd_kcp(*_set(inputs, "beta", 2.5), ctx)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"beta outside \[0, 2\]"):
+        kda_kcp.check_status(synchronize=False)
+
+
+def test_no_host_synchronization(data):
+    """A bad fwd + bwd, and the next call that raises, under torch's sync debug mode "error" (with a workspace, as
+    tests/gpu/test_workspace_cuda.py runs calls that never block the host)."""
+    inputs, do, ctx = data
+    ws = kda_kcp.WorkspaceKcp(ctx, H)
+    _step(inputs, do, ctx, ws)
+    bad = _set(inputs, "g", 0.5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, saved = kda_kcp.chunk_kda_fwd_kcp(*bad, ctx, workspace=ws)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert _all_nan(o)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(ValueError, match="g above 0"):
+            kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx, workspace=ws)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_graph_replay_with_bad_values(data):
+    """fwd + bwd captured with a workspace: a replay with g = -30 copied in gives NaN outputs and check_status()
+    raises; a replay with the clean values again gives the eager results bitwise and nothing pending."""
+    inputs, do, ctx = data
+    ws = kda_kcp.WorkspaceKcp(ctx, H)
+    ref = _step(inputs, do, ctx, ws)
+    static = [x.clone() for x in (*inputs, do)]
+    graph, outs = capture(lambda *a: _step(list(a[:5]), a[5], ctx, ws), static)
+    kda_kcp.check_status()  # the warm-up calls were clean
+    for s, x in zip(static, (*_set(inputs, "g", -30.0), do)):
+        s.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(_all_nan(x) for x in outs)
+    with pytest.raises(ValueError, match="g below -5"):
+        kda_kcp.check_status()
+    for s, x in zip(static, (*inputs, do)):
+        s.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(outs, ref):
+        assert torch.equal(x, y)
