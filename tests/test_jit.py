@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import kda_kcp.status
+
 import kda_kcp
 from kda_kcp import backend, jit
 from kda_kcp.backend import BackendUnavailable
@@ -83,6 +85,8 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setattr(backend, "_warned_fallback", False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU of capability 9.0")
+    # the backend's load also makes the device's status word (kda_kcp.status): a CUDA tensor there is none of here
+    monkeypatch.setattr(kda_kcp.status, "word", lambda device: None)
     return root
 
 
