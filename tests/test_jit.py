@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kda_kcp.status
-
 import kda_kcp
+import kda_kcp.status
 from kda_kcp import backend, jit
 from kda_kcp.backend import BackendUnavailable
 
