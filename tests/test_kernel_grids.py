@@ -131,6 +131,6 @@ def test_grid_bounds_raise_before_any_kernel(monkeypatch, T, H, what):
     ctx = kda_kcp.build_context_kcp(torch.tensor([0, T]))
     with pytest.raises(ValueError, match=f"at most {what}"):
         function.forward_kcp(q, k, v, g, beta, ctx, None, True, None)
-    saved = function.KdaSaved(q, k, v, g, beta, None, SCALE, True)
+    saved = function.KdaSaved(q, k, v, g, beta, None, SCALE, True, ctx)
     with pytest.raises(ValueError, match=f"at most {what}"):
         function.backward_kcp(do, saved, ctx, None)
