@@ -181,17 +181,18 @@ def test_chunk_kda_compiles_whole_and_equals_eager(packing):
     assert graphs_compiled() == 1
 
 
-def _compiled_equals_eager_on_each_rank(rank, world, lengths):
+def _compiled_equals_eager_on_each_rank(rank, world, lengths, backend):
     ctx = kda_kcp.build_context_kcp(offsets(lengths), group=torch.distributed.group.WORLD)
     assert ctx.plan.needs_exchange  # a document crosses the ranks: the op saves incoming states
     model = Mixer(checkpointed=True)
     x, g, beta, do = (ctx.shard(t.detach()) for t in mixer_inputs(ctx.num_tokens, seed=4))
     g.requires_grad_(), beta.requires_grad_()
     want = outputs_and_grads(model, x, g, beta, do, ctx)
-    got = outputs_and_grads(fresh_compile(model, "aot_eager"), x, g, beta, do, ctx)
+    got = outputs_and_grads(fresh_compile(model, backend), x, g, beta, do, ctx)
     assert_bitwise(got, want)
     assert graph_breaks() == 0
 
 
-def test_compiled_kcp_over_gloo_equals_eager():
-    run_distributed(_compiled_equals_eager_on_each_rank, 2, [90, 40, 70])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_kcp_over_gloo_equals_eager(backend):
+    run_distributed(_compiled_equals_eager_on_each_rank, 2, [90, 40, 70], backend)
