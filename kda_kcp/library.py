@@ -16,10 +16,9 @@ when it runs, through the same cache as the eager call.
 Eager calls never come here; they keep the two autograd nodes of ``kda_kcp.function``.
 """
 
-from __future__ import annotations
-
 import itertools
 import weakref
+from typing import Optional
 
 import torch
 
@@ -66,10 +65,14 @@ def _state_dtype(q, k, v, g, beta, deterministic: bool) -> torch.dtype:
     return _summary_dtype(select_backend(q.device, deterministic), q, k, v, g, beta)
 
 
+# the schemas are inferred from these annotations (typing.Optional: what every torch since 2.4 reads)
+Tensor = torch.Tensor
+
+
 @torch.library.custom_op("kda_kcp::fwd", mutates_args=())
-def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-         ctx_handle: torch.Tensor | None, cu_seqlens: torch.Tensor | None, packed_rows: int, scale: float | None,
-         deterministic: bool, workspace_handle: torch.Tensor | None, validate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx_handle: Optional[Tensor],
+         cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float], deterministic: bool,
+         workspace_handle: Optional[Tensor], validate: bool) -> tuple[Tensor, Tensor]:
     from .function import forward_kcp
 
     ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
@@ -77,7 +80,8 @@ def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
     o, saved = forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
     state_in = saved.state_in
     if state_in is None:  # no exchange: an empty stand-in (an op returns tensors)
-        state_in = q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=_state_dtype(q, k, v, g, beta, deterministic))
+        dtype = _state_dtype(q, k, v, g, beta, deterministic)
+        state_in = q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=dtype)
     return o, state_in
 
 
@@ -90,11 +94,9 @@ def _fwd_fake(q, k, v, g, beta, ctx_handle, cu_seqlens, packed_rows, scale, dete
 
 
 @torch.library.custom_op("kda_kcp::bwd", mutates_args=())
-def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-         state_in: torch.Tensor, ctx_handle: torch.Tensor | None, cu_seqlens: torch.Tensor | None, packed_rows: int,
-         scale: float | None, deterministic: bool,
-         workspace_handle: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                         torch.Tensor]:
+def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_in: Tensor,
+         ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float],
+         deterministic: bool, workspace_handle: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     from .function import KdaSaved, backward_kcp
     from .validate import check_scale
 
