@@ -7,6 +7,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .library import new_handle
 from .partition import LAYOUTS, check_cu_seqlens, partition_kcp
 from .plan import KcpPlan, LocalPlan, build_plan
 
@@ -46,6 +47,7 @@ class KcpContext:
         self._index_on = {str(self.token_index.device): self.token_index}
         if self.token_index.is_cuda:  # the plan's chunk tables reach the GPU here, once
             self.local.device_tables(self.token_index.device)
+        self._graph_handle = new_handle(self)  # names this context in torch.compile graphs (kda_kcp.library)
 
     def index_on(self, device) -> torch.Tensor:
         """token_index on ``device`` (copied there once, then cached)."""

@@ -9,9 +9,11 @@ for the other mode's value.
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling  # bound once: the check runs on every eager call
 
 from . import workspace as _ws
 from .function import KdaSaved, backward_kcp, chunk_kda_autograd, forward_kcp
+from .library import chunk_kda_op
 from .validate import check_flag
 
 __all__ = ["ENTRY_NAMES", "make_entries"]
@@ -40,6 +42,8 @@ def make_entries(package: str, mode: bool) -> dict:
     def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None):
         """Differentiable KDA over this rank's shard: returns o [T, H, V] (see kda_kcp.chunk_kda_kcp)."""
         _own(deterministic)
+        if is_compiling():  # one custom op node in the graph instead of tracing the library
+            return chunk_kda_op(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
         return chunk_kda_autograd(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
 
     def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .backend import select_backend
 from .context import KcpContext, build_context_kcp
+from .library import chunk_kda_op
 from .partition import check_cu_seqlens
 from .validate import check_flag
 
@@ -289,7 +290,8 @@ def chunk_kda(
     _check_options(flags, initial_state, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
                    use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
     B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
-    ctx = packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
+    compiling = torch.compiler.is_compiling()  # the custom op then makes the context when it runs (kda_kcp.library)
+    ctx = None if compiling else packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
     out_dtype = q.dtype
 
     if use_qk_l2norm_in_kernel:
@@ -313,6 +315,12 @@ def chunk_kda(
     def packed(x, dtype):
         return x.to(dtype).reshape(B * T, *x.shape[2:]).contiguous()
 
-    o = chunk_kda_kcp(packed(q, qkv_dtype), packed(k, qkv_dtype), packed(v, qkv_dtype), packed(g, g_dtype),
-                      packed(beta, beta_dtype), ctx, scale=scale, deterministic=deterministic, workspace=workspace)
+    q, k, v, g, beta = packed(q, qkv_dtype), packed(k, qkv_dtype), packed(v, qkv_dtype), packed(g, g_dtype), \
+        packed(beta, beta_dtype)
+    if compiling:
+        cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+        o = chunk_kda_op(q, k, v, g, beta, cp_context, scale, _package(deterministic).DETERMINISTIC, workspace,
+                         cu_seqlens=cu, packed_rows=B)
+    else:
+        o = chunk_kda_kcp(q, k, v, g, beta, ctx, scale=scale, deterministic=deterministic, workspace=workspace)
     return o.reshape(B, T, HV, o.shape[-1]).to(out_dtype), None

@@ -23,6 +23,7 @@ import torch
 
 from .arena import Arena, aligned
 from .exchange import summary_elements
+from .library import new_handle
 
 __all__ = [
     "ARENAS",
@@ -188,6 +189,7 @@ class WorkspaceKcp:
         )
         self.deterministic = deterministic
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self._graph_handle = new_handle(self)  # names this workspace in torch.compile graphs (kda_kcp.library)
         from .backend import select_backend
 
         # the CUDA backend's head-dependent index tables, on the device now
@@ -210,6 +212,7 @@ class WorkspaceKcp:
         ws = cls.__new__(cls)
         ws.nbytes, ws.deterministic, ws.device, ws.buffer = buffer.numel(), deterministic, buffer.device, buffer
         ws.lean_passes = check_arena(local_arena, lean_passes)
+        ws._graph_handle = new_handle(ws)
         return ws
 
     def begin_use(self) -> None:

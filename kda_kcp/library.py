@@ -1,0 +1,152 @@
+"""The KDA call as ``torch.library`` custom ops: the route of ``chunk_kda_kcp`` and ``chunk_kda`` under torch.compile.
+
+``kda_kcp::fwd`` returns ``(o, state_in)`` and ``kda_kcp::bwd`` the five gradients; their fake functions give
+dynamo the shapes, and ``fwd``'s registered autograd calls ``bwd``. The op boundary keeps dynamo out of the
+library's Python (plans, caches, exchanges): a compiled model holds the two ops as nodes of one graph.
+
+A ``KcpContext`` or ``WorkspaceKcp`` is not a tensor, so the ops take its handle instead: a one-element int64 CPU
+tensor made with the object (``_graph_handle``). Being a tensor, the handle is a graph input, read when the graph
+runs, not a constant that dynamo would guard on: contexts built every step reuse one compiled graph. The registry
+from handle to object holds the objects weakly, so it keeps nothing alive; a compiled forward's context (and
+workspace) must live until its backward runs, as in the usual training loop.
+
+``chunk_kda`` passes ``cu_seqlens`` itself (or nothing, for B equal rows): the op builds the W = 1 context from it
+when it runs, through the same cache as the eager call.
+
+Eager calls never come here; they keep the two autograd nodes of ``kda_kcp.function``.
+"""
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["new_handle", "chunk_kda_op"]
+
+_objects: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_numbers = itertools.count(1)
+
+
+def new_handle(obj) -> torch.Tensor:
+    """A new handle naming ``obj`` (a KcpContext or WorkspaceKcp) in compiled graphs; the object keeps it."""
+    number = next(_numbers)
+    _objects[number] = obj
+    return torch.full((1,), number, dtype=torch.int64)  # torch.full: half the host time of torch.tensor
+
+
+def _object_of(handle, what: str):
+    if handle is None:
+        return None
+    obj = _objects.get(int(handle[0]))
+    if obj is None:
+        raise RuntimeError(
+            f"kda_kcp: the {what} of this compiled call no longer exists; under torch.compile the {what} is passed by "
+            "handle, so keep it alive until the call's backward has run"
+        )
+    return obj
+
+
+def _context(ctx_handle, cu_seqlens, packed_rows: int, num_tokens: int):
+    """The call's KcpContext: the handle's (``packed_rows`` 0, chunk_kda_kcp), or as ``chunk_kda`` makes it for
+    ``packed_rows`` rows (its cp_context, or the W = 1 context of cu_seqlens or of the equal rows)."""
+    ctx = _object_of(ctx_handle, "KcpContext")
+    if packed_rows == 0:
+        return ctx
+    from .fla import packed_context
+
+    return packed_context(packed_rows, num_tokens // packed_rows, cu_seqlens, None, ctx)
+
+
+def _state_dtype(q, k, v, g, beta, deterministic: bool) -> torch.dtype:
+    from .backend import select_backend
+    from .function import _summary_dtype
+
+    return _summary_dtype(select_backend(q.device, deterministic), q, k, v, g, beta)
+
+
+# the schemas are inferred from these annotations (typing.Optional: what every torch since 2.4 reads)
+Tensor = torch.Tensor
+
+
+@torch.library.custom_op("kda_kcp::fwd", mutates_args=())
+def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx_handle: Optional[Tensor],
+         cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float], deterministic: bool,
+         workspace_handle: Optional[Tensor], validate: bool) -> tuple[Tensor, Tensor]:
+    from .function import forward_kcp
+
+    ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
+    workspace = _object_of(workspace_handle, "WorkspaceKcp")
+    o, saved = forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
+    state_in = saved.state_in
+    if state_in is None:  # no exchange: an empty stand-in (an op returns tensors)
+        dtype = _state_dtype(q, k, v, g, beta, deterministic)
+        state_in = q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=dtype)
+    return o, state_in
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, g, beta, ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle, validate):
+    runs = torch.library.get_ctx().new_dynamic_size()  # the context's run count is known when the op runs
+    state_dtype = _state_dtype(q, k, v, g, beta, deterministic)
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(runs, q.shape[1], q.shape[2], v.shape[2],
+                                                                         dtype=state_dtype)
+
+
+@torch.library.custom_op("kda_kcp::bwd", mutates_args=())
+def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_in: Tensor,
+         ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float],
+         deterministic: bool, workspace_handle: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from .function import KdaSaved, backward_kcp
+    from .validate import check_scale
+
+    ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
+    workspace = _object_of(workspace_handle, "WorkspaceKcp")
+    saved = KdaSaved(q, k, v, g, beta, state_in if ctx.plan.needs_exchange else None, check_scale(scale, q.shape[-1]),
+                     deterministic, ctx)
+    return backward_kcp(do, saved, ctx, workspace)
+
+
+@_bwd.register_fake
+def _bwd_fake(do, q, k, v, g, beta, state_in, ctx_handle, cu_seqlens, packed_rows, scale, deterministic,
+              workspace_handle):
+    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+
+
+def _setup_context(ctx, inputs, output):  # ctx: autograd's (torch passes it by this name)
+    q, k, v, g, beta, ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle, _ = inputs
+    ctx.save_for_backward(q, k, v, g, beta, output[1], ctx_handle, cu_seqlens, workspace_handle)
+    ctx.call = (packed_rows, scale, deterministic)
+
+
+def _backward(ctx, do, _dstate_in):
+    q, k, v, g, beta, state_in, ctx_handle, cu_seqlens, workspace_handle = ctx.saved_tensors
+    packed_rows, scale, deterministic = ctx.call
+    grads = torch.ops.kda_kcp.bwd(do, q, k, v, g, beta, state_in, ctx_handle, cu_seqlens, packed_rows, scale,
+                                  deterministic, workspace_handle)
+    return (*grads, None, None, None, None, None, None, None)
+
+
+_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunk_kda_op(q, k, v, g, beta, ctx, scale, deterministic: bool, workspace=None, validate=None, cu_seqlens=None,
+                 packed_rows: int = 0):
+    """o of one call through the custom ops (what chunk_kda_kcp runs under torch.compile). ``ctx`` is a KcpContext,
+    or, for ``chunk_kda`` (``packed_rows`` = B), its cp_context or None; ``cu_seqlens`` is chunk_kda's."""
+    from .context import KcpContext
+    from .validate import check_scale, values_requested
+    from .workspace import WorkspaceKcp
+
+    if ctx is not None and not isinstance(ctx, KcpContext):
+        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
+    if workspace is not None and not isinstance(workspace, WorkspaceKcp):
+        raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
+    if scale is not None:
+        scale = check_scale(scale, q.shape[-1])
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+    o, _ = torch.ops.kda_kcp.fwd(q, k, v, g, beta, None if ctx is None else ctx._graph_handle, cu_seqlens, packed_rows,
+                                 scale, deterministic, None if workspace is None else workspace._graph_handle,
+                                 values_requested(validate))
+    return o

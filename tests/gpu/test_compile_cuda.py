@@ -1,0 +1,111 @@
+"""torch.compile(fullgraph=True) on the CUDA backend at W = 1 (tests/test_compile.py runs the same on the CPU, and W = 2
+over gloo): chunk_kda_kcp and chunk_kda compile with no graph break into one graph that new contexts reuse, and o and
+every gradient are bitwise equal to eager, with aot_eager and inductor, under torch.utils.checkpoint, with a
+WorkspaceKcp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch.utils.checkpoint import checkpoint
+
+from gpu_common import DEV, fresh_seed, make_inputs, require_kernel_gpu
+
+require_kernel_gpu("the torch.compile tests on the CUDA backend")
+
+import kda_kcp  # noqa: E402
+
+SEED = fresh_seed("compile cuda")
+H = 4
+PACKS = ([0, 1000, 1001, 4000], [0, 3000, 4000])  # a new context per call, as a training step builds
+
+
+def _data(cu, seed):
+    gen = torch.Generator().manual_seed(seed)
+    inputs = make_inputs(cu[-1], H, gen)
+    do = torch.randn(cu[-1], H, 128, generator=gen).bfloat16().to(DEV)
+    return inputs, do
+
+
+def _run(fn, inputs, do, *args):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    o = fn(*leaves, *args)
+    o.backward(do)
+    torch.cuda.synchronize()
+    return [o.detach()] + [x.grad for x in leaves]
+
+
+def _assert_bitwise(got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        assert torch.equal(a, b), f"output {i} differs: max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+def _compile(fn, backend):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def _no_break_one_graph():
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def _plain(q, k, v, g, beta, ctx):
+    return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx)
+
+
+def _checkpointed(q, k, v, g, beta, ctx):
+    return checkpoint(kda_kcp.chunk_kda_kcp, q, k, v, g, beta, ctx, use_reentrant=False)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("fn", [_plain, _checkpointed], ids=["plain", "checkpoint"])
+def test_chunk_kda_kcp_compiled_equals_eager(fn, backend):
+    compiled = _compile(fn, backend)
+    for i, cu in enumerate(PACKS):
+        ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+        inputs, do = _data(cu, SEED + i)
+        _assert_bitwise(_run(compiled, inputs, do, ctx), _run(fn, inputs, do, ctx))
+    _no_break_one_graph()
+
+
+def test_workspace_under_compile():
+    cu = PACKS[0]
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+    ws = kda_kcp.WorkspaceKcp(ctx, H)
+
+    def call(q, k, v, g, beta):
+        return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, workspace=ws)
+
+    inputs, do = _data(cu, SEED)
+    _assert_bitwise(_run(_compile(call, "inductor"), inputs, do), _run(call, inputs, do))
+
+
+def _fla(q, k, v, g, beta, cu_seqlens):
+    o, _ = kda_kcp.chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                             cu_seqlens=cu_seqlens)
+    return o.squeeze(0)
+
+
+def _fla_activations(q, k, v, g, beta, cu_seqlens):
+    o, _ = kda_kcp.chunk_kda(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=torch.zeros(H, device=DEV),
+                             lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_seqlens)
+    return o.squeeze(0)
+
+
+# inductor fuses the in-call activations (l2norm, gate, sigmoid) into its own kernels, whose roundings may differ from
+# eager's in the last bit; with them the graph runs on aot_eager, which keeps eager's kernels
+@pytest.mark.parametrize("fn,backend", [(_fla, "inductor"), (_fla_activations, "aot_eager")],
+                         ids=["inductor", "activations-aot_eager"])
+def test_chunk_kda_compiled_equals_eager(fn, backend):
+    compiled = _compile(fn, backend)
+    for i, cu in enumerate(PACKS):
+        cu_seqlens = torch.tensor(cu, device=DEV)
+        inputs, do = _data(cu, SEED + i)
+        _assert_bitwise(_run(compiled, inputs, do, cu_seqlens), _run(fn, inputs, do, cu_seqlens))
+    # the two packs' offsets differ in count: dynamo compiles the second with a dynamic cu_seqlens length
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0

@@ -1,0 +1,213 @@
+"""torch.compile(fullgraph=True) of models that call chunk_kda_kcp and chunk_kda (the custom ops of
+kda_kcp.library): no graph break, one graph for contexts built every call, o and every gradient bitwise equal to
+eager (the ops run the eager call's own code, and the ops around them compute the same way), under
+torch.utils.checkpoint too, at W = 1 and over gloo at W = 2."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch._dynamo
+from torch.utils.checkpoint import checkpoint
+
+import kda_kcp
+from helpers import make_inputs, offsets, run_distributed
+
+H, K, V = 2, 16, 8
+F32 = torch.float32
+
+
+class Mixer(torch.nn.Module):
+    """Projections to q, k, v (no bias: one matmul each, which inductor computes as eager does), then the KDA call."""
+
+    def __init__(self, hidden=24, checkpointed=False):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.wq, self.wk, self.wv = (torch.nn.Parameter(0.1 * torch.randn(n, hidden, generator=gen))
+                                     for n in (H * K, H * K, H * V))
+        self.checkpointed = checkpointed
+
+    def mix(self, x, g, beta, ctx):
+        q = (x @ self.wq.t()).view(-1, H, K)
+        k = (x @ self.wk.t()).view(-1, H, K)
+        v = (x @ self.wv.t()).view(-1, H, V)
+        return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx)
+
+    def forward(self, x, g, beta, ctx):
+        if self.checkpointed:
+            return checkpoint(self.mix, x, g, beta, ctx, use_reentrant=False)
+        return self.mix(x, g, beta, ctx)
+
+
+def mixer_inputs(T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 24, generator=gen)
+    g = (-5 * torch.rand(T, H, K, generator=gen)).clamp_max(-1e-3).requires_grad_()
+    beta = torch.rand(T, H, generator=gen).requires_grad_()
+    do = torch.randn(T, H, V, generator=gen)
+    return x, g, beta, do
+
+
+def outputs_and_grads(model, x, g, beta, do, ctx):
+    """o, then the gradients of <o, do> to the parameters, g and beta."""
+    leaves = [*model.parameters(), g, beta]
+    for t in leaves:
+        t.grad = None
+    o = model(x, g, beta, ctx)
+    o.backward(do)
+    return [o.detach()] + [t.grad.clone() for t in leaves]
+
+
+def assert_bitwise(got, want):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        assert torch.equal(a, b), f"output {i} differs: max |diff| {(a - b).abs().max().item()}"
+
+
+def fresh_compile(fn, backend):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpoint"])
+def test_chunk_kda_kcp_compiles_whole_and_equals_eager(checkpointed):
+    model = Mixer(checkpointed=checkpointed)
+    compiled = fresh_compile(model, "aot_eager")
+    for lengths in ([30, 70], [5, 64, 31]):  # a new context (and new offsets) per call, as a training step builds
+        ctx = kda_kcp.build_context_kcp(offsets(lengths))
+        x, g, beta, do = mixer_inputs(sum(lengths))
+        want = outputs_and_grads(model, x, g, beta, do, ctx)
+        got = outputs_and_grads(compiled, x, g, beta, do, ctx)
+        assert_bitwise(got, want)
+    assert graph_breaks() == 0
+    assert graphs_compiled() == 1  # the context is a graph input, not a constant guarded on
+
+
+def test_inductor_equals_eager():
+    model = Mixer()
+    compiled = fresh_compile(model, "inductor")
+    ctx = kda_kcp.build_context_kcp(offsets([40, 60]))
+    x, g, beta, do = mixer_inputs(100, seed=2)
+    assert_bitwise(outputs_and_grads(compiled, x, g, beta, do, ctx), outputs_and_grads(model, x, g, beta, do, ctx))
+    assert graph_breaks() == 0
+
+
+def test_workspace_and_deterministic_package_under_compile():
+    ctx = kda_kcp.build_context_kcp(offsets([64, 36]))
+    ws = kda_kcp.WorkspaceKcp(ctx, H, head_dim=K, value_dim=V)
+    inputs, do = make_inputs(ctx.cu_seqlens, H=H, K=K, V=V, dtype=F32, seed=3)
+
+    def call(q, k, v, g, beta):
+        return kda_kcp.det.chunk_kda_kcp(q, k, v, g, beta, ctx, scale=0.3, workspace=ws)
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        o = fn(*leaves)
+        o.backward(do)
+        return [o.detach()] + [t.grad for t in leaves]
+
+    compiled = fresh_compile(call, "aot_eager")
+    assert_bitwise(run(compiled), run(call))
+    assert graph_breaks() == 0
+
+
+def test_eager_keeps_its_two_autograd_nodes():
+    """Outside torch.compile nothing goes through the custom ops (eager's host time does not move)."""
+    ctx = kda_kcp.build_context_kcp(offsets([20]))
+    inputs, _ = make_inputs(ctx.cu_seqlens, H=H, K=K, V=V, dtype=F32)
+    o = kda_kcp.chunk_kda_kcp(*[t.requires_grad_() for t in inputs], ctx)
+    assert type(o.grad_fn).__name__ == "KdaKcpOutputBackward"
+
+
+def test_a_context_gone_before_the_backward_raises():
+    def step(x, g, beta):
+        ctx = kda_kcp.build_context_kcp(offsets([10, 22]))  # dropped when the forward returns
+        return compiled(x, g, beta, ctx)
+
+    compiled = fresh_compile(Mixer(), "aot_eager")
+    x, g, beta, do = mixer_inputs(32)
+    o = step(x, g, beta)
+    gc.collect()
+    with pytest.raises(RuntimeError, match="KcpContext of this compiled call no longer exists"):
+        o.backward(do)
+
+
+def fla_inputs(B, T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
+               torch.randn(B, T, H, V, generator=gen), torch.randn(B, T, H, K, generator=gen),
+               torch.randn(B, T, H, generator=gen), (0.5 + torch.rand(H, generator=gen)).log()]
+    return [t.requires_grad_() for t in tensors], torch.randn(B, T, H, V, generator=gen)
+
+
+def fla_call(q, k, v, g, beta, A_log, cu_seqlens=None, cp_context=None):
+    o, final = kda_kcp.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                                 lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_seqlens,
+                                 cp_context=cp_context)
+    return o
+
+
+def fla_outputs_and_grads(fn, tensors, do, **kw):
+    for t in tensors:
+        t.grad = None
+    o = fn(*tensors, **kw)
+    o.backward(do)
+    return [o.detach()] + [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("packing", ["rows", "cu_seqlens"])
+def test_chunk_kda_compiles_whole_and_equals_eager(packing):
+    compiled = fresh_compile(fla_call, "aot_eager")
+    for step_offsets in ([0, 17, 100], [0, 64, 100]):  # new offsets of one shape: no recompile
+        if packing == "rows":
+            tensors, do = fla_inputs(2, 50)
+            cu = None
+        else:
+            tensors, do = fla_inputs(1, 100)
+            cu = torch.tensor(step_offsets)
+        assert_bitwise(fla_outputs_and_grads(compiled, tensors, do, cu_seqlens=cu),
+                       fla_outputs_and_grads(fla_call, tensors, do, cu_seqlens=cu))
+    assert graph_breaks() == 0
+    assert graphs_compiled() == 1
+
+
+def _compiled_equals_eager_on_each_rank(rank, world, lengths, backend):
+    ctx = kda_kcp.build_context_kcp(offsets(lengths), group=torch.distributed.group.WORLD)
+    assert ctx.plan.needs_exchange  # a document crosses the ranks: the op saves incoming states
+    model = Mixer(checkpointed=True)
+    x, g, beta, do = (ctx.shard(t.detach()) for t in mixer_inputs(ctx.num_tokens, seed=4))
+    g.requires_grad_(), beta.requires_grad_()
+    want = outputs_and_grads(model, x, g, beta, do, ctx)
+    got = outputs_and_grads(fresh_compile(model, backend), x, g, beta, do, ctx)
+    assert_bitwise(got, want)
+    assert graph_breaks() == 0
+
+    # chunk_kda on this rank's shard with cp_context, on aot_eager: inductor fuses the in-call activations (l2norm,
+    # gate, sigmoid) into kernels of its own, whose roundings may differ from eager's in the last bit
+    tensors, do = fla_inputs(1, ctx.num_tokens, seed=6)
+    tensors = [ctx.shard(t[0].detach()).unsqueeze(0).requires_grad_() for t in tensors[:5]] + tensors[5:]
+    do = ctx.shard(do[0]).unsqueeze(0)
+
+    def fla_cp(q, k, v, g, beta, A_log):
+        return fla_call(q, k, v, g, beta, A_log, cp_context=ctx)
+
+    compiled = fresh_compile(fla_cp, "aot_eager")
+    assert_bitwise(fla_outputs_and_grads(compiled, tensors, do), fla_outputs_and_grads(fla_cp, tensors, do))
+    assert graph_breaks() == 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_kcp_over_gloo_equals_eager(backend):
+    run_distributed(_compiled_equals_eager_on_each_rank, 2, [90, 40, 70], backend)
