@@ -66,9 +66,14 @@ def check_inputs(q, k, v, g, beta, ctx, backend_name: str) -> None:
     if tuple(beta.shape) != (T, H):
         raise ValueError(f"beta must be [T, H] = {[T, H]}, got {list(beta.shape)}")
     if T != ctx.local_tokens:
+        if ctx.world_size == 1:
+            raise ValueError(
+                f"q has T = {T} tokens but the context was built from cu_seqlens ending at {ctx.num_tokens}; "
+                "cu_seqlens[-1] must equal T"
+            )
         raise ValueError(
-            f"q has T = {T} tokens but the context gives rank {ctx.rank} {ctx.local_tokens} local tokens "
-            f"(of {ctx.num_tokens} global); pass ctx.shard(x) of the global tensors"
+            f"q has T = {T} tokens but rank {ctx.rank} holds {ctx.local_tokens} of the context's {ctx.num_tokens} "
+            "tokens; pass ctx.shard(x) of the global [T, ...] tensors"
         )
     if H < 1 or K < 1 or v.shape[2] < 1:
         raise ValueError(f"H, K and V must be positive, got q {list(q.shape)}, v {list(v.shape)}")

@@ -67,8 +67,16 @@ def test_beta_shape(args):
 def test_tokens_do_not_match_the_context(args):
     inputs, _, ctx = args
     short = [x[:-1].contiguous() for x in inputs]
-    with pytest.raises(ValueError, match="q has T = 69 tokens but the context gives rank 0 70 local tokens"):
+    # one rank: the message speaks of cu_seqlens, not of shards
+    with pytest.raises(ValueError, match=r"q has T = 69 tokens but the context was built from cu_seqlens ending at "
+                                         r"70; cu_seqlens\[-1\] must equal T") as err:
         _call(short, ctx)
+    assert "shard" not in str(err.value)
+    # a rank of two: the message names this rank's share and ctx.shard
+    two = kda_kcp.KcpContext(ctx.cu_seqlens, "contiguous", None, 2, 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"q has T = 70 tokens but rank 0 holds 35 of the context's 70 tokens; "
+                                         r"pass ctx.shard\(x\)"):
+        check_inputs(*inputs, two, "torch")
 
 
 def test_dtype_mismatch(args):
