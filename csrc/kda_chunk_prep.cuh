@@ -295,8 +295,8 @@ struct Inputs {
 // A prep CTA's (chunk, head) from its place in launch order (linear block index b). The forward's prep is chunk-major
 // (a 1-D grid, every head of a chunk before the next chunk: CTAs that run at once read neighbouring token rows and
 // write neighbouring records; H200, ncu, H = 16: the four groups' preps 1.59 / 1.32 / 1.04 / 0.76 -> 1.56 / 1.29 /
-// 1.02 / 0.75 ms against head-major); the backward's is head-major (blockIdx.x = chunk,
-// blockIdx.y = head). 32-bit arithmetic: the bindings check chunks x heads < 2^31.
+// 1.02 / 0.75 ms against head-major); the backward's is too by default (kda_bwd.cu KDA_BWD_CHUNK_MAJOR; 0 makes it
+// head-major: blockIdx.x = chunk, blockIdx.y = head). 32-bit arithmetic: the bindings check chunks x heads < 2^31.
 template <class Rec>
 __device__ __forceinline__ unsigned launch_index() {
   if constexpr (Rec::kChunkMajor) return blockIdx.x;

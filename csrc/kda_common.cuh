@@ -12,7 +12,7 @@ namespace kda {
 
 constexpr float kLog2e = 1.4426950408889634f;
 // CUDA's bound on gridDim.y (and gridDim.z; gridDim.x's is 2^31 - 1): a launch whose count can pass it folds the
-// count into y and z (kda_bwd.cu grads_grid) or is cut into launches of at most this many (kda_fwd.cu launch_walk).
+// count into y and z (kda_bwd.cu launch_grads_nw) or is cut into launches of at most this many (kda_fwd.cu launch_walk).
 constexpr int kMaxGridY = 65535;
 
 // exp(x) through the special-function unit (relative error ~2^-22 plus |x| * 2^-24 from the scaling).
