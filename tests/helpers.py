@@ -1,4 +1,5 @@
-"""Shared test helpers: random packed batches, error measures, and spawning gloo process groups."""
+"""Shared test helpers: random packed batches, error measures, bad values, bitwise comparison, torch.compile, and
+spawning gloo process groups (the GPU tests import it too)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,40 @@ import torch.multiprocessing as mp
 
 import kda_kcp
 from kda_kcp.reference import naive_kda
+
+
+INPUT_NAMES = ("q", "k", "v", "g", "beta")
+
+
+def with_value(inputs, name, value, at):
+    """Copies of (q, k, v, g, beta) with one value of ``name`` at ``at`` = (token, head, channel) set to ``value``
+    (a number, or "nan", "inf", "-inf"); beta takes (token, head)."""
+    out = [x.clone() for x in inputs]
+    x = out[INPUT_NAMES.index(name)]
+    fill = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}.get(value, value)
+    t, h, c = at
+    if x.dim() == 3:
+        x[t, h, c] = fill
+    else:
+        x[t, h] = fill
+    return out
+
+
+def assert_bitwise(got, want):
+    """Two lists of tensors equal bit for bit (dtype and shape too)."""
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        assert torch.equal(a, b), f"output {i} differs: max |diff| {(a.float() - b.float()).abs().max().item()}"
+
+
+def fresh_compile(fn, backend):
+    """torch.compile(fn, fullgraph=True) from a clean dynamo state (its graph-break counters cleared)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def offsets(lengths):

@@ -13,7 +13,7 @@ import torch._dynamo
 from torch.utils.checkpoint import checkpoint
 
 import kda_kcp
-from helpers import make_inputs, offsets, run_distributed
+from helpers import assert_bitwise, fresh_compile, make_inputs, offsets, run_distributed
 
 H, K, V = 2, 16, 8
 F32 = torch.float32
@@ -60,17 +60,8 @@ def outputs_and_grads(model, x, g, beta, do, ctx):
     return [o.detach()] + [t.grad.clone() for t in leaves]
 
 
-def assert_bitwise(got, want):
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype and a.shape == b.shape, i
-        assert torch.equal(a, b), f"output {i} differs: max |diff| {(a - b).abs().max().item()}"
 
 
-def fresh_compile(fn, backend):
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def graph_breaks() -> int:

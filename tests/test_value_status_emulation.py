@@ -19,11 +19,11 @@ from kda_kcp import status
 from kda_kcp.cuda import CudaBackend
 from kda_kcp.cuda import backward as cb
 from kda_kcp.cuda import forward
+from helpers import with_value
 from test_kernel_emulation import SCALE, _build, _case, _p, _Programs, _use_emulated_programs
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")
 
-NAMES = ("q", "k", "v", "g", "beta")
 CU = [0, 40, 104]  # two documents, one chunk each (the second a full one)
 H = 1
 AT = (70, 0, 5)  # the bad value: token 70 (the second chunk), channel 5
@@ -55,16 +55,6 @@ def clean_status():
     assert left == 0, f"the test left status bits {left:#x}"
 
 
-def _set(inputs, name, value, at=AT):
-    out = [x.clone() for x in inputs]
-    x = out[NAMES.index(name)]
-    fill = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}.get(value, value)
-    t, h, c = at
-    if x.dim() == 3:
-        x[t, h, c] = fill
-    else:
-        x[t, h] = fill
-    return out
 
 
 def _prep_bits(emu, plan, inputs, fwd=True):
@@ -102,7 +92,7 @@ def test_preps_leave_the_word_zero_inside_the_domain(emu):
 @pytest.mark.parametrize("name, value", list(CASES))
 def test_preps_set_the_bit_of_each_bad_value(emu, name, value):
     plan, inputs, *_ = _case(CU, H, 3)
-    assert _prep_bits(emu, plan, _set(inputs, name, value)) == CASES[name, value]
+    assert _prep_bits(emu, plan, with_value(inputs, name, value, AT)) == CASES[name, value]
 
 
 @pytest.mark.parametrize("at", [(40, 0, 0), (103, 0, 127), (57, 0, 70)])
@@ -110,7 +100,7 @@ def test_backward_prep_sees_v_everywhere(emu, at):
     """The backward prep probes v in the B fragments of one row block per warp pair (kda_chunk_prep.cuh): the first
     and last row and column of a full chunk, and one inside it."""
     plan, inputs, *_ = _case(CU, H, 3)
-    assert _prep_bits(emu, plan, _set(inputs, "v", "nan", at), fwd=False) == (NF,)
+    assert _prep_bits(emu, plan, with_value(inputs, "v", "nan", at), fwd=False) == (NF,)
 
 
 def test_fill_sets_outputs_to_nan_only_with_a_set_word(emu):
@@ -139,7 +129,7 @@ def test_cuda_path_returns_nan_and_the_next_call_raises(emu, monkeypatch, clean_
     grads = function.backward_kcp(do, saved, ctx)
     assert all(torch.isfinite(x.float()).all() for x in (o, *grads))
 
-    o_bad, _ = function.forward_kcp(*_set(inputs, "g", -6.0), ctx, None, True)
+    o_bad, _ = function.forward_kcp(*with_value(inputs, "g", -6.0, AT), ctx, None, True)
     assert torch.isnan(o_bad.float()).all()
     with pytest.raises(ValueError, match=r"a call issued earlier on cpu read input values outside the domain "
                                          r"\(g below -5\): its outputs were set to NaN"):
@@ -147,7 +137,7 @@ def test_cuda_path_returns_nan_and_the_next_call_raises(emu, monkeypatch, clean_
     o2, saved = function.forward_kcp(*inputs, ctx, None, True)
     assert torch.equal(o2, o)
 
-    bad_v = _set(inputs, "v", "nan")
+    bad_v = with_value(inputs, "v", "nan", AT)
     _, saved_v = function.forward_kcp(*bad_v, ctx, None, True)
     grads_v = function.backward_kcp(do, saved_v, ctx)
     assert all(torch.isnan(x.float()).all() for x in grads_v)
@@ -155,7 +145,7 @@ def test_cuda_path_returns_nan_and_the_next_call_raises(emu, monkeypatch, clean_
         function.backward_kcp(do, saved, ctx)
     assert all(torch.equal(x, y) for x, y in zip(function.backward_kcp(do, saved, ctx), grads))
 
-    function.forward_kcp(*_set(inputs, "beta", 2.5), ctx, None, True)
+    function.forward_kcp(*with_value(inputs, "beta", 2.5, AT), ctx, None, True)
     with pytest.raises(ValueError, match=r"beta outside \[0, 2\]"):
         kda_kcp.check_status()
     kda_kcp.check_status()  # reset by the first
@@ -168,7 +158,7 @@ def test_published_summaries_are_nan(emu, monkeypatch, clean_status):
     plan, inputs, do, *_ = _case(CU, H, 5)
     M, E = forward.PreparedForward(*inputs, SCALE, plan).summaries((1,))
     assert torch.isfinite(M).all() and torch.isfinite(E).all()
-    bad = _set(inputs, "g", -30.0)
+    bad = with_value(inputs, "g", -30.0, AT)
     M, E = forward.PreparedForward(*bad, SCALE, plan).summaries((1,))
     assert torch.isnan(M).all() and torch.isnan(E).all()
     with pytest.raises(ValueError, match="g below -5"):  # the next call's checks

@@ -5,6 +5,9 @@ WorkspaceKcp."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch._dynamo
@@ -15,6 +18,9 @@ from gpu_common import DEV, fresh_seed, make_inputs, require_kernel_gpu
 require_kernel_gpu("the torch.compile tests on the CUDA backend")
 
 import kda_kcp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import assert_bitwise, fresh_compile  # noqa: E402
 
 SEED = fresh_seed("compile cuda")
 H = 4
@@ -36,16 +42,8 @@ def _run(fn, inputs, do, *args):
     return [o.detach()] + [x.grad for x in leaves]
 
 
-def _assert_bitwise(got, want):
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype and a.shape == b.shape, i
-        assert torch.equal(a, b), f"output {i} differs: max |diff| {(a.float() - b.float()).abs().max().item()}"
 
 
-def _compile(fn, backend):
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def _no_break_one_graph():
@@ -64,11 +62,11 @@ def _checkpointed(q, k, v, g, beta, ctx):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("fn", [_plain, _checkpointed], ids=["plain", "checkpoint"])
 def test_chunk_kda_kcp_compiled_equals_eager(fn, backend):
-    compiled = _compile(fn, backend)
+    compiled = fresh_compile(fn, backend)
     for i, cu in enumerate(PACKS):
         ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
         inputs, do = _data(cu, SEED + i)
-        _assert_bitwise(_run(compiled, inputs, do, ctx), _run(fn, inputs, do, ctx))
+        assert_bitwise(_run(compiled, inputs, do, ctx), _run(fn, inputs, do, ctx))
     _no_break_one_graph()
 
 
@@ -81,7 +79,7 @@ def test_workspace_under_compile():
         return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, workspace=ws)
 
     inputs, do = _data(cu, SEED)
-    _assert_bitwise(_run(_compile(call, "inductor"), inputs, do), _run(call, inputs, do))
+    assert_bitwise(_run(fresh_compile(call, "inductor"), inputs, do), _run(call, inputs, do))
 
 
 def _fla(q, k, v, g, beta, cu_seqlens):
@@ -102,10 +100,10 @@ def _fla_activations(q, k, v, g, beta, cu_seqlens):
 @pytest.mark.parametrize("fn,backend", [(_fla, "inductor"), (_fla_activations, "aot_eager")],
                          ids=["inductor", "activations-aot_eager"])
 def test_chunk_kda_compiled_equals_eager(fn, backend):
-    compiled = _compile(fn, backend)
+    compiled = fresh_compile(fn, backend)
     for i, cu in enumerate(PACKS):
         cu_seqlens = torch.tensor(cu, device=DEV)
         inputs, do = _data(cu, SEED + i)
-        _assert_bitwise(_run(compiled, inputs, do, cu_seqlens), _run(fn, inputs, do, cu_seqlens))
+        assert_bitwise(_run(compiled, inputs, do, cu_seqlens), _run(fn, inputs, do, cu_seqlens))
     # the two packs' offsets differ in count: dynamo compiles the second with a dynamic cu_seqlens length
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0

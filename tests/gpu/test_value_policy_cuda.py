@@ -7,6 +7,9 @@ values and check_status() raises after it."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,16 +19,18 @@ require_kernel_gpu("the CUDA value-policy tests")
 
 import kda_kcp  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import INPUT_NAMES, with_value  # noqa: E402
+
 SEED = fresh_seed("value policy cuda")
 CU = [0, 1, 64, 65, 300, 1000]
 H = 2
-NAMES = ("q", "k", "v", "g", "beta")
 AT = (500, 1, 17)  # token (inside the last document), head, channel of the bad value
 
 # (tensor, value) -> the words the error names
 CASES = {
-    **{(n, "nan"): "non-finite q/k/v/g/beta" for n in NAMES},
-    **{(n, "inf"): "non-finite q/k/v/g/beta" for n in NAMES},
+    **{(n, "nan"): "non-finite q/k/v/g/beta" for n in INPUT_NAMES},
+    **{(n, "inf"): "non-finite q/k/v/g/beta" for n in INPUT_NAMES},
     ("g", 0.5): r"g above 0",
     ("g", -6.0): r"g below -5",
     ("g", -30.0): r"g below -5",
@@ -51,16 +56,6 @@ def clean_status():
     kda_kcp.check_status()
 
 
-def _set(inputs, name, value):
-    out = [x.clone() for x in inputs]
-    x = out[NAMES.index(name)]
-    fill = {"nan": float("nan"), "inf": float("inf")}.get(value, value)
-    t, h, c = AT
-    if x.dim() == 3:
-        x[t, h, c] = fill
-    else:
-        x[t, h] = fill
-    return out
 
 
 def _step(inputs, do, ctx, workspace=None):
@@ -88,7 +83,7 @@ def test_bad_value_nan_outputs_then_error_at_the_next_call(data, name, value):
     clean = _step(inputs, do, ctx)
     torch.cuda.synchronize()
     assert all(torch.isfinite(x.float()).all() for x in clean)
-    bad = _set(inputs, name, value)
+    bad = with_value(inputs, name, value, AT)
     if name != "v":
         o, _ = kda_kcp.chunk_kda_fwd_kcp(*bad, ctx)
         torch.cuda.synchronize()  # the status copy has landed: the next call sees it
@@ -96,7 +91,7 @@ def test_bad_value_nan_outputs_then_error_at_the_next_call(data, name, value):
         _raises_next(inputs, ctx, CASES[name, value])
     mine = [x.clone() for x in inputs]
     _, saved = kda_kcp.chunk_kda_fwd_kcp(*mine, ctx)
-    mine[NAMES.index(name)].copy_(bad[NAMES.index(name)])  # the saved tensors are references
+    mine[INPUT_NAMES.index(name)].copy_(bad[INPUT_NAMES.index(name)])  # the saved tensors are references
     grads = kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx)
     torch.cuda.synchronize()
     assert all(_all_nan(x) for x in grads), f"{name} = {value}: a gradient is not NaN everywhere"
@@ -108,12 +103,12 @@ def test_bad_value_nan_outputs_then_error_at_the_next_call(data, name, value):
 
 def test_check_status_raises_at_once_and_resets(data):
     inputs, do, ctx = data
-    o, _ = kda_kcp.chunk_kda_fwd_kcp(*_set(inputs, "g", -6.0), ctx)
+    o, _ = kda_kcp.chunk_kda_fwd_kcp(*with_value(inputs, "g", -6.0, AT), ctx)
     with pytest.raises(ValueError, match=r"a call on cuda:\d read input values outside the domain \(g below -5\)"):
         kda_kcp.check_status()
     assert _all_nan(o)
     kda_kcp.check_status()  # reset
-    kda_kcp.chunk_kda_fwd_kcp(*_set(inputs, "beta", 2.5), ctx)
+    kda_kcp.chunk_kda_fwd_kcp(*with_value(inputs, "beta", 2.5, AT), ctx)
     torch.cuda.synchronize()
     with pytest.raises(ValueError, match=r"beta outside \[0, 2\]"):
         kda_kcp.check_status(synchronize=False)
@@ -125,7 +120,7 @@ def test_no_host_synchronization(data):
     inputs, do, ctx = data
     ws = kda_kcp.WorkspaceKcp(ctx, H)
     _step(inputs, do, ctx, ws)
-    bad = _set(inputs, "g", 0.5)
+    bad = with_value(inputs, "g", 0.5, AT)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -151,7 +146,7 @@ def test_graph_replay_with_bad_values(data):
     static = [x.clone() for x in (*inputs, do)]
     graph, outs = capture(lambda *a: _step(list(a[:5]), a[5], ctx, ws), static)
     kda_kcp.check_status()  # the warm-up calls were clean
-    for s, x in zip(static, (*_set(inputs, "g", -30.0), do)):
+    for s, x in zip(static, (*with_value(inputs, "g", -30.0, AT), do)):
         s.copy_(x)
     graph.replay()
     torch.cuda.synchronize()
