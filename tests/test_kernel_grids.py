@@ -26,6 +26,7 @@ from test_kernel_emulation import NAMES, SCALE, _build, _case, _p, _use_emulated
 
 MAX_Y = 2  # the emulated device's gridDim.y bound (>= the heads of these tests: walks and merges put H there)
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")
+pytestmark = pytest.mark.slow  # the kernels built with g++ and run on the CPU emulation: over a minute on two cores
 
 
 @pytest.fixture(scope="module")

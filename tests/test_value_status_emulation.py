@@ -22,7 +22,8 @@ from kda_kcp.cuda import forward
 from helpers import with_value
 from test_kernel_emulation import SCALE, _build, _case, _p, _Programs, _use_emulated_programs
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")
+pytestmark = [pytest.mark.slow,  # the kernels built with g++ and run on the CPU emulation: minutes on two cores
+              pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the CPU emulation")]
 
 CU = [0, 40, 104]  # two documents, one chunk each (the second a full one)
 H = 1
