@@ -157,17 +157,14 @@ def chunk_grads(q, k, v, g, beta, do, h, dh, scale: float):
     return tuple(torch.cat(lst, 0) for lst in outs)
 
 
-def _grads_slab(q, k, v, g, beta, do, S, dSn, scale, incl, strict, stored=None):
-    """One slab's chunk gradients. ``stored`` (None here) maps (V_new, dV_new, S, dS_next) to the values the
-    gradients are then formed from (a precision model rounds them there as the CUDA walks store them)."""
+def _grads_slab(q, k, v, g, beta, do, S, dSn, scale, incl, strict):
+    """One slab's chunk gradients."""
     G, pw, P, A, Kexp, W, U, Aqk, Qg, Kg, gamma = _prep_slab(q, k, v, g, beta, scale, incl, strict)
     b = beta.unsqueeze(-1)
     T_ = lambda x: x.transpose(-1, -2)  # noqa: E731
     Vn = U - W @ S
     # V_new feeds O (through Aqk) and S_next (through Kg)
     dVn = T_(Aqk) @ do + Kg @ dSn
-    if stored is not None:
-        Vn, dVn, S, dSn = stored(Vn, dVn, S, dSn)
     dAqk = (do @ T_(Vn)) * incl
     dQg = scale * (do @ T_(S))
     dKg = Vn @ T_(dSn)
