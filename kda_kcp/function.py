@@ -217,8 +217,7 @@ class ForwardCall:
         backend, scale, dt, xbuf, arena = agree_call(
             ctx, "forward", _prepare, _forward_properties, q, k, v, g, beta, ctx, scale, deterministic, workspace,
             validate)
-        self._start(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace,
-                    ctx.plan.needs_exchange and not _in_backward())
+        self._start(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, None)
 
     @classmethod
     def checked(cls, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early):
@@ -229,7 +228,8 @@ class ForwardCall:
         return call
 
     def _start(self, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early):
-        """``walk_early``: whether the runs whose document starts here may be walked beside the exchange."""
+        """``walk_early``: whether the runs whose document starts here may be walked beside the exchange (None:
+        unless this runs inside a backward pass)."""
         self.backend, self.arena = backend, arena
         plan, local = ctx.plan, ctx.local
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
@@ -242,6 +242,8 @@ class ForwardCall:
             # the runs whose document starts here need no incoming state: their output pass can run beside the
             # exchange (KDA_KCP_FWD_EARLY; not in a checkpoint's recomputation, which never asks for o)
             early = None
+            if walk_early is None:
+                walk_early = not _in_backward()
             if hasattr(self.prepared, "reserve_early") and walk_early:
                 early = self.prepared.reserve_early()  # its scratch carved before the exchange's
             state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
