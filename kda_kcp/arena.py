@@ -2,9 +2,10 @@
 
 An ``Arena`` hands out tensors from a byte buffer in order (each start aligned to 256 bytes); ``mark`` and
 ``release`` free everything carved after a mark, so a stage's scratch is reused by the next stage. Without
-a buffer it falls back to ``torch.empty`` (a call without a workspace). The byte counts of the CUDA
-backend (``kda_kcp.cuda.forward``, ``kda_kcp.cuda.backward``) use ``aligned`` on the same sequence of
-carves, which is what makes ``kda_workspace_bytes_kcp`` exact.
+a buffer it falls back to ``torch.empty`` (a call without a workspace). ``Arena.count_only`` makes one that
+only counts: its carves are placeholders on the meta device (shape and dtype, no memory) and it keeps the
+offset and the peak as a buffer would. ``kda_workspace_bytes_kcp`` is the peak of a call's own carve sequence
+run on such an arena (``kda_kcp.function.arena_parts``), so the size and the carves cannot disagree.
 
 A carve is one ``torch.as_strided`` of a typed view of the buffer (the views are kept per dtype, and a
 workspace keeps them across calls): on the H200 machine's host a slice and two views took ~9 us per carve,
@@ -39,17 +40,30 @@ def contiguous_strides(shape: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
+_META = torch.device("meta")
+
+
 class Arena:
     def __init__(self, buffer: torch.Tensor | None, device, what: str = "the CUDA backend's scratch",
                  views: dict | None = None):
-        """``views``: a dict the typed views of ``buffer`` are kept in (a workspace passes its own, so they
-        outlive the call); one of this arena's own otherwise."""
+        """``device``: the device the call runs on (its tables and kernels). ``views``: a dict the typed views of
+        ``buffer`` are kept in (a workspace passes its own, so they outlive the call); one of this arena's own
+        otherwise."""
         self.buffer = buffer
         self.device = torch.device(device)
         self.what = what
         self.offset = 0
         self.peak = 0
+        self.counting = False
         self._views = {} if views is None else views
+
+    @classmethod
+    def count_only(cls, device) -> "Arena":
+        """An arena that only counts, for a call on ``device``: each carve advances the offset and the peak as on
+        a buffer and returns a meta tensor; whoever carves from it launches nothing (the call is being sized)."""
+        arena = cls(None, device)
+        arena.counting = True
+        return arena
 
     def _typed(self, dtype: torch.dtype):
         """(the buffer's whole ``dtype`` elements viewed as ``dtype``, that view's storage offset in elements).
@@ -63,7 +77,11 @@ class Arena:
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         shape = tuple(int(s) for s in shape)
         if self.buffer is None:
-            return torch.empty(shape, dtype=dtype, device=self.device)
+            if not self.counting:
+                return torch.empty(shape, dtype=dtype, device=self.device)
+            self.offset += tensor_bytes(shape, dtype)
+            self.peak = max(self.peak, self.offset)
+            return torch.empty(shape, dtype=dtype, device=_META)
         n = tensor_bytes(shape, dtype)
         end = self.offset + n
         if end > self.buffer.numel():

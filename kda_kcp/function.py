@@ -7,9 +7,10 @@ gradient, then the local gradients.
 
 The workspace of one call is [exchange scratch | arena]. The CUDA backend carves all of its scratch from
 the arena (kda_kcp.arena): first the call's chunk records (made once, read by the KCP summaries and by the
-local pass), then each phase from the same base, so a call with a workspace allocates only its outputs (and, in the forward, the incoming states it saves for the backward). The torch backend
-uses the exchange part only. ``local_arena_bytes`` mirrors the carves below, which makes
-``kda_workspace_bytes_kcp`` exact.
+local pass), then each phase from the same base, so a call with a workspace allocates only its outputs (and, in
+the forward, the incoming states it saves for the backward). The torch backend uses the exchange part only.
+``arena_parts`` sizes the arena by running the calls' own steps below (``ForwardCall.checked`` and ``finish``,
+``_backward``) on meta tensors and an arena that only counts: no kernel, no collective, the same carves.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .agreement import agree_call, call_properties
-from .arena import Arena, aligned, tensor_bytes
+from .arena import Arena, aligned
 from .backend import select_backend
 from .context import KcpContext
 from .exchange import gather_summaries
@@ -64,30 +65,30 @@ def local_arena_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128,
 
 def arena_parts(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None,
                 passes: int | None = None) -> tuple[int, int]:
-    """(forward, backward) arena bytes of one call of this context on ``backend``: the peak of its carves."""
+    """(forward, backward) arena bytes of one call of this context on ``backend`` on ``device``: the peak of its
+    carves. The calls' own steps run on meta inputs with an arena that only counts (``Arena.count_only``): the
+    carves happen as in a call, nothing is launched or exchanged. The forward runs with and without its early output
+    pass (a checkpoint's recomputation has none), so the size fits either."""
     if backend.name != "cuda":
         return 0, 0
     H, K, V = num_heads, head_dim, value_dim or head_dim
-    plan, local = ctx.plan, ctx.local
-
-    def part(name, ids=()):
-        return backend.arena_bytes(name, local, H, device, ids, passes)
-
-    fwd_local, bwd_local = part("fwd_output"), part("bwd_grads")
-    if plan.needs_exchange:
-        tmp = tensor_bytes((H, K, V), torch.float32)
-        state = tensor_bytes((local.num_runs, H, K, V), torch.float32)
-        # records; then the summaries, the merge's product and the local pass, each from the same base
-        # (with an early pass, its carves first, live to the end: then the late pass's in place of the local pass's)
-        summ = part("fwd_summaries", plan.fwd_publish[ctx.rank])
-        early, late = part("fwd_output_early"), part("fwd_output_late")
-        fwd = part("fwd_records") + max(summ, tmp, fwd_local, early + max(summ, tmp, late))
-        # records, dstate_out (lives to the end); then the summaries, the merge's product, the gradients
-        bwd = part("bwd_records") + state + max(part("bwd_summaries", plan.bwd_publish[ctx.rank]), tmp, bwd_local)
-    else:
-        fwd = part("fwd_records") + fwd_local
-        bwd = part("bwd_records") + bwd_local
-    return fwd, bwd
+    if (K, V) != (128, 128):
+        raise ValueError(f"the CUDA backend supports head dim 128 only, got head_dim={K}, value_dim={V}")
+    T, meta = ctx.local_tokens, torch.device("meta")
+    q, k, v, do = (torch.empty(T, H, n, dtype=torch.bfloat16, device=meta) for n in (K, K, V, V))
+    g = torch.empty(T, H, K, dtype=torch.float32, device=meta)
+    beta = torch.empty(T, H, dtype=torch.bfloat16, device=meta)
+    dt = _summary_dtype(backend)
+    fwd, saved = 0, None
+    for walk_early in (True, False) if ctx.plan.needs_exchange else (False,):
+        arena = Arena.count_only(device)
+        call = ForwardCall.checked(backend, q, k, v, g, beta, ctx, K**-0.5, backend.deterministic, dt, None, arena,
+                                   None, walk_early)
+        call.finish()
+        fwd, saved = max(fwd, arena.peak), call.saved
+    arena = Arena.count_only(device)
+    _backward(backend, do, saved, ctx, dt, None, arena, passes, None)
+    return fwd, arena.peak
 
 
 def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
@@ -169,7 +170,8 @@ def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf,
     [R, H, K, V]. ``after_summaries`` (optional) is called once the all-gather is enqueued, with a CUDA event
     recorded after this rank's summaries and before the all-gather (None off CUDA): what it launches on a side
     stream then waits for the summaries but not for the other ranks, and goes after the collective in launch order.
-    With an arena nothing here allocates."""
+    With an arena nothing here allocates; with one that only counts, nothing is exchanged or merged either (the
+    call is being sized)."""
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     ids = publish[ctx.rank]
     base = arena.mark() if arena is not None else 0
@@ -179,18 +181,21 @@ def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf,
         maps, offsets = arena.empty((0, H, K, K), dt), arena.empty((0, H, K, V), dt)
     else:
         maps, offsets = q.new_zeros(0, H, K, K, dtype=dt), q.new_zeros(0, H, K, V, dtype=dt)
-    ready = None
-    if after_summaries is not None and q.is_cuda:
-        ready = torch.cuda.Event()
-        ready.record()
-    maps, offsets = gather_summaries(maps.to(dt), offsets.to(dt), slots, ctx.world_size, ctx.group, xbuf)
-    if after_summaries is not None:
-        after_summaries(ready)
+    exchange = arena is None or not arena.counting
+    if exchange:
+        ready = None
+        if after_summaries is not None and q.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        maps, offsets = gather_summaries(maps.to(dt), offsets.to(dt), slots, ctx.world_size, ctx.group, xbuf)
+        if after_summaries is not None:
+            after_summaries(ready)
     tmp = None
     if arena is not None:
         arena.release(base)  # this rank's summaries are in the exchange buffer now
         tmp = arena.empty((H, K, V), dt)
-    affine_merge(maps, offsets, sources[ctx.rank], out, tmp)
+    if exchange:
+        affine_merge(maps, offsets, sources[ctx.rank], out, tmp)
     if arena is not None:
         arena.release(base)
     return out
@@ -209,9 +214,23 @@ class ForwardCall:
     none, then the output pass. Inputs are read, never written."""
 
     def __init__(self, q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
-        self.backend, scale, dt, xbuf, self.arena = agree_call(
+        backend, scale, dt, xbuf, arena = agree_call(
             ctx, "forward", _prepare, _forward_properties, q, k, v, g, beta, ctx, scale, deterministic, workspace,
             validate)
+        self._start(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, None)
+
+    @classmethod
+    def checked(cls, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early):
+        """The first step of a call whose checks have passed and whose workspace is split (``arena_parts`` sizes a
+        call this way, on an arena that only counts)."""
+        call = cls.__new__(cls)
+        call._start(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early)
+        return call
+
+    def _start(self, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early):
+        """``walk_early``: whether the runs whose document starts here may be walked beside the exchange (None:
+        unless this runs inside a backward pass)."""
+        self.backend, self.arena = backend, arena
         plan, local = ctx.plan, ctx.local
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
         self.workspace = workspace
@@ -223,7 +242,9 @@ class ForwardCall:
             # the runs whose document starts here need no incoming state: their output pass can run beside the
             # exchange (KDA_KCP_FWD_EARLY; not in a checkpoint's recomputation, which never asks for o)
             early = None
-            if hasattr(self.prepared, "reserve_early") and not _in_backward():
+            if walk_early is None:
+                walk_early = not _in_backward()
+            if hasattr(self.prepared, "reserve_early") and walk_early:
                 early = self.prepared.reserve_early()  # its scratch carved before the exchange's
             state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
             _exchange_and_merge(ctx, self.prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q,
@@ -273,13 +294,19 @@ def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
     fwd_ctx = saved.ctx if isinstance(saved, KdaSaved) else ctx
     backend, dt, xbuf, arena = agree_call(fwd_ctx, "backward", _backward_checks, _backward_properties, do, saved, ctx,
                                           workspace)
+    passes = workspace.lean_passes if workspace is not None else None
+    return _backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace)
+
+
+def _backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace):
+    """``backward_kcp`` once its checks have passed (``arena_parts`` sizes a call this way, on an arena that only
+    counts)."""
     q, k, v, g, beta = saved.q, saved.k, saved.v, saved.g, saved.beta
     if backend.name == "cuda":
         do = do.to(torch.bfloat16)  # the kernels read the output's dtype
     do = do.contiguous()
     plan, local = ctx.plan, ctx.local
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    passes = workspace.lean_passes if workspace is not None else None
     prepared = backend.bwd_prepare(q, k, v, g, beta, do, saved.scale, local, arena, passes)  # records, once
     dstate_out = None
     if plan.needs_exchange:

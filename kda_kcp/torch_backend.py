@@ -76,12 +76,9 @@ class _Prepared:
 
 class TorchBackend:
     """The reference stages in torch (any device, FP32 or FP64). Its scratch is torch's own: the ``arena``
-    arguments are accepted for the common interface and not used (``arena_bytes`` is 0)."""
+    arguments are accepted for the common interface and not used (it carves nothing)."""
 
     name = "torch"
-
-    def arena_bytes(self, part: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
-        return 0
 
     def table_knobs(self) -> tuple:
         return ()  # no tables, no carves

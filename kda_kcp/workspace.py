@@ -74,7 +74,7 @@ def workspace_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, v
     """Bytes of one call's workspace on ``backend``: the exchange scratch, then (CUDA) the arena
     (``lean_passes``: the lean backward's pass count, None for the replay arena)."""
     ex = exchange_elements(ctx, num_heads, head_dim, value_dim) * _elt(dtype)
-    from .function import local_arena_bytes  # the carves live beside the code that makes them
+    from .function import local_arena_bytes  # the calls' own steps, run on an arena that only counts
 
     arena = local_arena_bytes(ctx, num_heads, backend, device, head_dim, value_dim, lean_passes)
     return aligned(ex) + arena if arena else ex

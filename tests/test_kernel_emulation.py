@@ -28,6 +28,7 @@ import kda_kcp
 from kda_kcp.reference import naive_merge
 import kda_kcp.backend
 import kda_kcp.function as function
+from kda_kcp.arena import Arena
 from kda_kcp.chunk import Prep, _masks, _prep_slab
 from kda_kcp.cuda import CudaBackend, forward
 from kda_kcp.cuda import backward as cb
@@ -459,10 +460,11 @@ def _check_vs_oracle(got, ref, where):
 @pytest.mark.parametrize("steep_docs", [(), (0,)])  # every chunk on one anchor; the first document's by block
 def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch, steep_docs):
     """One W = 1 forward + backward through kda_kcp.cuda (segmented forward and backward walks, folds, a
-    workspace of exactly the queried size) against the FP64 oracle, and the lean backward (2 passes)
-    bitwise equal to the replay one; prepared records serve one gradient call (the forward walk writes
-    V_new over U), a second one raises. With steep gates in the first document, the preps anchor its chunks
-    by 16-row block and the second document's at their first row, in one launch."""
+    workspace of exactly the queried size, whose arena peaks at what the sizing counted for each call) against
+    the FP64 oracle, and the lean backward (2 passes) bitwise equal to the replay one; prepared records serve one
+    gradient call (the forward walk writes V_new over U), a second one raises. With steep gates in the first
+    document, the preps anchor its chunks by 16-row block and the second document's at their first row, in one
+    launch."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
     cu = [0, 70, 300]
     H = 1
@@ -472,17 +474,22 @@ def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch, steep_docs):
     with pytest.raises(RuntimeError, match="once per prepared backward"):
         prepared.grads()
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu))
+    arenas = []  # the workspace calls' arenas: each call's peak is what the sizing counted for it
+    monkeypatch.setattr(kda_kcp.workspace, "Arena", lambda *a, **kw: arenas.append(Arena(*a, **kw)) or arenas[-1])
     ws = kda_kcp.WorkspaceKcp.from_buffer(
         torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H), dtype=torch.uint8), True, "replay", None)
     o, saved = function.forward_kcp(*inputs, ctx, None, True, ws)
     grads = function.backward_kcp(do, saved, ctx, ws)
     _check_vs_oracle((o, *grads), _oracle(cu, inputs, do), "W=1")
+    backend = function.select_backend(None, True)
+    assert [a.peak for a in arenas] == list(function.arena_parts(ctx, H, backend, "cpu")) != [0, 0]
     lean = kda_kcp.WorkspaceKcp.from_buffer(
         torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena="lean", lean_passes=2), dtype=torch.uint8),
         True, "lean", 2)
     lean_grads = function.backward_kcp(do, saved, ctx, lean)
     for name, x, r in zip(NAMES, lean_grads, grads):
         assert torch.equal(x, r), f"{name}: the lean backward differs from the replay one"
+    assert arenas[-1].peak == function.arena_parts(ctx, H, backend, "cpu", passes=2)[1]
 
 
 def test_cp_async_requests_go_into_dead_tiles(emu, emu_eager, monkeypatch):

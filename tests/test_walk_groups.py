@@ -156,7 +156,6 @@ def test_walk_pieces_rule_and_tables(monkeypatch):
     assert [r[:2] for r in rev[0]] == [r[:2] for r in rows[2]] and all(r[3] == 0 for r in rev[0])
     assert sorted(c for j in range(3) for a, b in grp.blocks[j] for c in range(a, b)) == list(range(27))
     assert min(range(3), key=grp.ready.__getitem__) == 1  # the middle block: both walks pass it first
-    assert grp.handoff_bytes(2) == 2 * 2 * 2 * 128 * 128 * 4
     monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", "0")
     with pytest.raises(ValueError, match="KDA_KCP_BWD_WALK_PIECES"):
         cb.walk_pieces(1, 1, 4, 132)

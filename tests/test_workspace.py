@@ -102,3 +102,13 @@ def test_sizing_for_a_gpu_this_machine_does_not_have(monkeypatch):
                       ({"arch": "sm_90a", "device": "cpu"}, "not both")):
         with pytest.raises(ValueError, match=match):
             kda_kcp.kda_workspace_bytes_kcp(ctx, 16, **kw)
+
+
+def test_cuda_sizing_names_its_head_dim():
+    """The CUDA kernels run head dim 128 only: a byte query for them with another says so (the torch backend's take
+    any)."""
+    ctx = kda_kcp.build_context_kcp(BENCH)
+    for kw in ({"head_dim": 64}, {"value_dim": 64}):
+        with pytest.raises(ValueError, match="head dim 128 only"):
+            kda_kcp.kda_workspace_bytes_kcp(ctx, 4, arch="sm_90a", **kw)
+    assert kda_kcp.kda_workspace_bytes_kcp(ctx, 4, head_dim=64) == 0  # (this machine's torch backend, W = 1)

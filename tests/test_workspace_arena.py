@@ -3,8 +3,9 @@ by no-ops, so every scratch carve of a forward and a backward call happens as on
 tables, segment choices and order) without a GPU. Checks that the arena kda_workspace_bytes_kcp sizes is
 exactly the peak of the carves (never more, never less), for the replay arena and the lean one (1 to 3
 passes), at W = 1 and at W = 2 over gloo, for every layout, with segmented walks, and that the lean passes
-hold every chunk once and the same walk and summary rows. tests/gpu/test_workspace_cuda.py runs the real
-kernels."""
+hold every chunk once and the same walk and summary rows; that an arena that only counts (the sizing's) moves as
+one on a buffer does, and that the sizing loads, launches and exchanges nothing. tests/gpu/test_workspace_cuda.py
+runs the real kernels."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import kda_kcp
 import kda_kcp.backend
 import kda_kcp.function as function
-from kda_kcp.arena import Arena, aligned
+from kda_kcp.arena import Arena, aligned, tensor_bytes
 from kda_kcp.cuda import CudaBackend, backward, forward
 from kda_kcp.workspace import exchange_elements
 from helpers import offsets, run_distributed
@@ -79,7 +80,7 @@ def _check_exact(ctx, H, local_arena="replay", lean_passes=None):
     o, saved = function.forward_kcp(q, k, v, g, beta, ctx, None, True, workspace(need))
     grads = function.backward_kcp(do, saved, ctx, workspace(need))
     assert o.shape == q.shape and len(grads) == 5
-    peaks = [a.peak for a in _Recorded.made]
+    peaks = [a.peak for a in _Recorded.made if not a.counting]  # (not the sizing's own arenas)
     assert len(peaks) == 2 and max(peaks) == arena_size, (local_arena, lean_passes, peaks, arena_size)
     # each call's own peak, not only the larger one (the backward's is the larger in every case here)
     parts = function.arena_parts(ctx, H, backend, "cpu", passes=passes)
@@ -114,7 +115,7 @@ def _check_all_arenas(ctx, H):
     # one pass holds every chunk; the replay arena also holds the split walks' hand-off states (the lean passes
     # walk whole runs)
     groups = backward._walk_groups(ctx.local, H, "cpu") if ctx.local.num_tokens else None
-    handoff = sum(grp.handoff_bytes(H) for grp in groups or ())
+    handoff = sum(2 * tensor_bytes((grp.rows, H, 128, 128), torch.float32) for grp in groups or () if grp.pieces > 1)
     assert sizes[("lean", 1)] + handoff == sizes[("replay", None)]
     assert sizes[("lean", 3)] <= sizes[("lean", 2)] <= sizes[("replay", None)]
     _check_passes(ctx.local, H)
@@ -239,3 +240,54 @@ def test_arena_carves_are_views_of_the_buffer():
     odd = Arena(torch.zeros(1000, dtype=torch.uint8)[:998], "cpu")  # 998 bytes: no float32 view of the whole
     t = odd.empty((3,), torch.float32)
     assert t.storage_offset() == 0 and odd.empty((2,), torch.float32).storage_offset() * 4 == 256
+
+
+def test_count_only_arena_counts_as_a_buffer_does():
+    """Arena.count_only: a carve sequence (marks and releases included) moves its offset and peak exactly as on a
+    buffer; its carves are meta tensors of the carve's shape and dtype, and nothing bounds it."""
+    real = Arena(torch.zeros(1 << 16, dtype=torch.uint8), "cpu")
+    count = Arena.count_only("cpu")
+    assert count.counting and not real.counting and count.device == torch.device("cpu")
+    steps = [((3, 5), torch.float32), "mark", ((7,), torch.bfloat16), ((0, 4), torch.float32), ((2, 3000), torch.uint8),
+             "release", ((64, 4), torch.float64), ((1,), torch.int32)]
+    base = {}
+    for step in steps:
+        for arena in (real, count):
+            if step == "mark":
+                base[arena] = arena.mark()
+            elif step == "release":
+                arena.release(base[arena])
+            else:
+                t = arena.empty(*step)
+                assert tuple(t.shape) == step[0] and t.dtype == step[1]
+                assert t.device.type == ("meta" if arena is count else "cpu")
+        assert count.offset == real.offset and count.peak == real.peak, step
+    assert real.peak == 256 + 256 + 6144 and real.offset == 256 + 2048 + 256  # the peak was before the release
+    huge = count.empty((1 << 20, 1 << 20), torch.float32)  # 4 TiB, counted, never allocated
+    assert huge.is_meta and count.peak == count.offset > 1 << 42
+
+
+def test_sizing_launches_loads_and_exchanges_nothing(monkeypatch):
+    """arena_parts runs the calls' own steps on an arena that only counts: no program is loaded, no status word is
+    made, nothing is exchanged or merged (a context without a process group, at W = 2), and the sizes equal those
+    of a workspace call's carves (test_cuda_arena_is_exact_*)."""
+    from test_workspace import _FakeGroupContext
+
+    def refuse(what):
+        def fail(*args, **kwargs):
+            raise AssertionError(f"the sizing called {what}")
+        return fail
+
+    for owner, name in ((forward, "load"), (backward, "load"), (kda_kcp.status, "word"), (kda_kcp.status, "fill"),
+                        (function, "gather_summaries"), (function, "affine_merge")):
+        monkeypatch.setattr(owner, name, refuse(f"{owner.__name__}.{name}"))
+    monkeypatch.setenv("KDA_KCP_FWD_EARLY", "1")  # an early output pass too
+    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", "2")  # segmented KCP summaries
+    backend = CudaBackend(True)
+    cu = offsets([1000, 1, 0, 333, 5000])
+    for ctx in (kda_kcp.build_context_kcp(cu), _FakeGroupContext(cu, 2, 0, "zigzag"),
+                _FakeGroupContext(cu, 2, 1, "contiguous")):
+        assert ctx.world_size == 1 or ctx.plan.needs_exchange
+        for passes in (None, 2):
+            fwd, bwd = function.arena_parts(ctx, 4, backend, "cpu", passes=passes)
+            assert fwd > 0 and bwd > 0

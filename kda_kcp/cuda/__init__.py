@@ -86,27 +86,6 @@ class CudaBackend:
         anything computed from the tables, such as a call's workspace need, keys on them."""
         return forward.table_knobs() + backward.table_knobs()
 
-    def arena_bytes(self, part: str, plan, num_heads: int, device, run_ids=(), passes=None) -> int:
-        """Arena bytes one part of a prepared call carves: "fwd_records" (made by fwd_prepare), then
-        "fwd_summaries" or "fwd_output" (or, in a KCP forward, "fwd_output_early" and "fwd_output_late", the passes
-        before and after the exchange); "bwd_records" (made by bwd_prepare), then "bwd_summaries" or
-        "bwd_grads". ``passes``: the lean backward's pass count (None: replay)."""
-        if part == "fwd_records":
-            return forward.records_arena_bytes(plan, num_heads, device)
-        if part == "fwd_output":
-            return forward.output_arena_bytes(plan, num_heads, device)
-        if part in ("fwd_output_early", "fwd_output_late"):
-            return forward.early_arena_bytes(plan, num_heads, device)[part == "fwd_output_late"]
-        if part == "fwd_summaries":
-            return forward.summaries_arena_bytes(plan, num_heads, run_ids, device)
-        if part == "bwd_records":
-            return backward.records_arena_bytes(plan, num_heads, passes)
-        if part == "bwd_grads":
-            return backward.grads_arena_bytes(plan, num_heads, device, passes)
-        if part == "bwd_summaries":
-            return backward.summaries_arena_bytes(plan, num_heads, run_ids, passes, device)
-        raise ValueError(f"unknown part {part!r}")
-
     # single stages (tests, the torch backend's interface)
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None, arena=None):
         return forward.fwd_output(q, k, v, g, beta, scale, plan, state_in, arena)

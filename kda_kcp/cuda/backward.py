@@ -31,13 +31,12 @@ import os
 import torch
 
 from .. import status
-from ..arena import Arena, tensor_bytes
+from ..arena import Arena
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count, state_bytes
+from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count
 
-__all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "records_arena_bytes", "grads_arena_bytes",
-           "summaries_arena_bytes", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load",
-           "record_lower_blocks"]
+__all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS",
+           "load", "record_lower_blocks"]
 
 PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
 REC_VN, REC_DVN = 81920, 131584  # byte offsets of the walks' V_new (over U) and dV_new; kda_bwd.h kRecVn, kRecDvn
@@ -434,51 +433,6 @@ def _summary_tables(plan, run_ids, device, own_chunks: bool, heads: int = 1) -> 
     return cache[key]
 
 
-def records_arena_bytes(plan, num_heads: int, passes: int | None = None) -> int:
-    """Arena bytes of a ``PreparedBackward``'s records: every chunk's prep record (replay), none (lean)."""
-    if plan.num_tokens == 0 or plan.num_runs == 0 or passes is not None:
-        return 0
-    return tensor_bytes((plan.num_chunks * num_heads * PREP_BYTES,), torch.uint8)
-
-
-def grads_arena_bytes(plan, num_heads: int, device, passes: int | None = None) -> int:
-    """Arena bytes ``PreparedBackward.grads`` carves after the records (exact: the same carves, in
-    order). Replay: h and dh of every chunk, then the segment summaries and folds, then the split walks' hand-off
-    states (``WalkGroup.handoff_bytes``). Lean: the prep
-    records, h and dh of the largest pass, then the summaries and folds."""
-    if plan.num_tokens == 0 or plan.num_runs == 0:
-        return 0
-    H = num_heads
-    st = _seg_tables(plan, H, device)
-    if passes is None:
-        n = hi_state_bytes(plan.num_chunks, H) + scaled_state_bytes(plan.num_chunks, H)
-    else:
-        nc = max((p.num_chunks for p in _lean_passes(plan, H, device, passes)), default=0)
-        n = tensor_bytes((nc * H * PREP_BYTES,), torch.uint8) + hi_state_bytes(nc, H) + scaled_state_bytes(nc, H)
-    if st.num_sum_f:  # summaries M, E and their fold
-        n += 2 * state_bytes(st.num_sum_f, H) + state_bytes(st.num_fold_f, H)
-    if st.num_sum_r:
-        n += 2 * state_bytes(st.num_sum_r, H) + state_bytes(st.num_fold_r, H)
-    if passes is None and _pipeline():  # the split walks' hand-off buffers
-        n += sum(grp.handoff_bytes(H) for grp in _walk_groups(plan, H, device) or ())
-    return n
-
-
-def summaries_arena_bytes(plan, num_heads: int, run_ids, passes: int | None = None, device="cpu") -> int:
-    """Arena bytes ``PreparedBackward.summaries`` carves after the records, its results (Mt, F) included
-    (lean: also the listed runs' prep records; segments: their summaries before the compose)."""
-    run_ids = tuple(int(r) for r in run_ids)
-    n = 2 * state_bytes(len(run_ids), num_heads)
-    if run_ids and passes is not None:
-        nc = sum(plan.runs[r].num_chunks(plan.chunk_size) for r in run_ids)
-        n += tensor_bytes((nc * num_heads * PREP_BYTES,), torch.uint8)
-    if run_ids:
-        tabs = _summary_tables(plan, run_ids, device, own_chunks=passes is not None, heads=num_heads)
-        if tabs.chains is not None:
-            n += 2 * state_bytes(tabs.num_rows, num_heads)
-    return n
-
-
 def _forward_program(device):
     """The forward's program (kda_kcp.cuda.forward.load), for its affine compose."""
     from . import forward
@@ -491,16 +445,6 @@ def hi_state_shape(n: int, H: int) -> tuple:
     order (kda_bwd.h kHiStateBytes; ``hi_states``): the gradient kernel's products read S as hi only, and its
     dgamma takes S hi times dS."""
     return (n, H, _D, _D)
-
-
-def hi_state_bytes(n: int, H: int) -> int:
-    """Arena bytes of h for n chunks."""
-    return tensor_bytes(hi_state_shape(n, H), torch.bfloat16)
-
-
-def scaled_state_bytes(n: int, H: int) -> int:
-    """Arena bytes of dh for n chunks."""
-    return tensor_bytes(scaled_state_shape(n, H), torch.uint8)
 
 
 def scaled_state_shape(n: int, H: int) -> tuple:
@@ -654,10 +598,6 @@ class WalkGroup:
         self.blocks = [coalesce_ranges(sorted((a, a + n) for a, n in (c[j] for c in cuts) if n > 0)) for j in range(k)]
         self.ready = [self.longest * max((j + 1) / k, REV_STEP_RATIO * (k - j) / k) for j in range(k)]  # fwd steps
 
-    def handoff_bytes(self, heads: int) -> int:
-        """Arena bytes of the group's hand-off buffers (one state per row each way), 0 for one piece."""
-        return 2 * state_bytes(self.rows, heads) if self.pieces > 1 else 0
-
 
 def group_runs(lengths: dict, max_groups: int) -> list:
     """Run ids grouped by walk length, the shortest group first: runs taken longest first, a run joins the
@@ -774,7 +714,8 @@ class PreparedBackward:
     """One backward call: with the replay arena (``passes`` None) every chunk's prep record is made once
     and read by the backward summaries of the runs a rank publishes (KCP) and by the local gradients; the
     lean backward (``passes`` 1..8) preps per pass instead. Scratch comes from ``arena``
-    (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve."""
+    (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve. On an arena that only counts,
+    every step carves what it carves on the GPU and launches nothing (``mod`` None): that sizes the call."""
 
     def __init__(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None, checked=False):
         """``checked``: q, k, v, g, beta passed ``kda_kcp.validate.check_inputs`` for the CUDA backend in the
@@ -787,18 +728,20 @@ class PreparedBackward:
             q, k, v, g, beta, do = (_c(x) for x in (q, k, v, g, beta, do))
         self.q, self.k, self.v, self.g, self.beta, self.do = q, k, v, g, beta, do
         self.scale, self.plan, self.passes = float(scale), plan, passes
-        self.dev = q.device
-        self.word = status.word(self.dev)
+        self.arena = arena if arena is not None else Arena(None, q.device)
+        self.dev = self.arena.device  # the inputs' (meta when the arena only counts: then the one sized for)
+        counting = self.arena.counting
+        self.word = None if counting else status.word(self.dev)
         self.H = q.shape[1]
         check_grid_bounds(self.H, plan.num_chunks)
-        self.arena = arena if arena is not None else Arena(None, self.dev)
         self.active = q.shape[0] > 0 and plan.num_runs > 0
-        self.mod = load(self.dev) if self.active else None
+        self.mod = load(self.dev) if self.active and not counting else None  # None: nothing to launch
         self.prep, self.used = None, False
         if self.active and passes is None:
             chunks, _ = _tables(plan, self.dev)
             self.prep = self.arena.empty((chunks.shape[0] * self.H * PREP_BYTES,), torch.uint8)
-            self.mod.bwd_prep(q, k, v, g, beta, chunks, self.prep, self.scale, self.word)
+            if self.mod is not None:
+                self.mod.bwd_prep(q, k, v, g, beta, chunks, self.prep, self.scale, self.word)
         self.e0 = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes: no carve moves)
 
     def summaries(self, run_ids):
@@ -813,16 +756,19 @@ class PreparedBackward:
         prep = self.prep
         if prep is None:  # lean: these runs' records apart
             prep = arena.empty((tabs.chunks.shape[0] * H * PREP_BYTES,), torch.uint8)
+        if tabs.chains is not None:  # segments: every segment's summary, then each run's chain composed
+            mt = arena.empty((tabs.num_rows, H, _D, _D), torch.float32)
+            f = arena.empty((tabs.num_rows, H, _D, _D), torch.float32)
+        if self.mod is None:
+            return Mt, F
+        if self.prep is None:  # (lean)
             self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, tabs.chunks, prep, self.scale, self.word)
         warps = walk_warps(REV_SUMMARY_SMS * tabs.num_rows * H, sm_count(self.dev))
         if tabs.chains is None:
             self.mod.bwd_rev_summary(self.do, prep, tabs.chunks, tabs.rows, Mt, F, warps)
             status.fill(self.mod, self.dev, Mt, F)  # NaN, not garbage, for the other ranks (kda_kcp.status)
             return Mt, F
-        # segments: every segment's summary at once, then each run's chain composed (the forward's program
-        # exports the affine compose; both programs are loaded with the backend)
-        mt = arena.empty((tabs.num_rows, H, _D, _D), torch.float32)
-        f = arena.empty((tabs.num_rows, H, _D, _D), torch.float32)
+        # (the forward's program exports the affine compose; both programs are loaded with the backend)
         self.mod.bwd_rev_summary(self.do, prep, tabs.chunks, tabs.rows, mt, f, warps)
         _forward_program(self.dev).merge_compose(mt, f, tabs.chains, Mt, F)
         status.fill(self.mod, self.dev, Mt, F)
@@ -856,10 +802,11 @@ class PreparedBackward:
         dq, dk, dv, dg, dbeta = grads
         chunks, _ = _tables(self.plan, self.dev)
         nc, prep = chunks.shape[0], self.prep
+        st = _seg_tables(self.plan, H, self.dev)
+        groups = _walk_groups(self.plan, H, self.dev) if _pipeline() else None
+        # every buffer of both chains is carved here, on the current stream, before any fork
         h = arena.empty(hi_state_shape(nc, H), torch.bfloat16)
         dh = arena.empty(scaled_state_shape(nc, H), torch.uint8)
-        st = _seg_tables(self.plan, H, self.dev)
-        # every buffer of both chains is carved here, on the current stream, before the fork
         ffold = rfold = e0
         if st.num_sum_f:
             m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
@@ -869,6 +816,12 @@ class PreparedBackward:
             mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
             rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
+        # the split walks' hand-off buffers (one state per row of a group, each way; every piece of a chain reads
+        # and writes its rows' slots in place)
+        handoff = {id(grp): tuple(arena.empty((grp.rows, H, _D, _D), torch.float32) for _ in "rf")
+                   for grp in groups or () if grp.pieces > 1}
+        if mod is None:
+            return grads
 
         def fwd_folds():  # the segments' incoming states (segmented walks only)
             if st.num_sum_f:
@@ -888,7 +841,6 @@ class PreparedBackward:
             rev_folds()
             mod.bwd_rev_walk(do, prep, chunks, st.rwalk, dso, rfold, e0, dh, st.walk_warps)
 
-        groups = _walk_groups(self.plan, H, self.dev) if _pipeline() else None
         if groups is None:
             _both_walks(rev_chain, fwd_chain, self.dev)
             mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale,
@@ -896,11 +848,6 @@ class PreparedBackward:
             return grads
         if st.num_sum_f or st.num_sum_r:  # segmented: every segment's state before any walk
             _both_walks(rev_folds, fwd_folds, self.dev)
-
-        # the split walks' hand-off buffers (one state per row of a group, each way; every piece of a chain reads
-        # and writes its rows' slots in place)
-        handoff = {id(grp): tuple(arena.empty((grp.rows, H, _D, _D), torch.float32) for _ in "rf")
-                   for grp in groups if grp.pieces > 1}
 
         def launch_walk(grp, which, p):  # piece p of a chain (in its launch order)
             last = p == grp.pieces - 1
@@ -932,10 +879,10 @@ def bwd_grads(q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None,
 
 
 def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena, passes, grads):
-    """The lean backward: per-pass prep records, h and dh (sized for the largest pass)."""
+    """The lean backward: per-pass prep records, h and dh (sized for the largest pass); ``mod`` None: the carves
+    only."""
     H = q.shape[1]
-    dev = q.device
-    word = status.word(dev)
+    dev = arena.device
     st = _seg_tables(plan, H, dev)
     lean = _lean_passes(plan, H, dev, passes)
     ncmax = max(p.num_chunks for p in lean)
@@ -946,16 +893,21 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
     def views(p):  # exact-size buffers of one pass
         return prep_all[: p.num_chunks * H * PREP_BYTES], h_all[: p.num_chunks], dh_all[: p.num_chunks]
 
-    ffold, rfold = e0, e0
+    # the segments' summaries and their folds
+    m = e = mt = f = None
+    if st.num_sum_f:
+        m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
+        e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
+    if st.num_sum_r:
+        mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
+        f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
+    ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32) if st.num_sum_f else e0
+    rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32) if st.num_sum_r else e0
+    if mod is None:
+        return
+    word = status.word(dev)
     if st.num_sum_f or st.num_sum_r:
         # summaries of every segment first (they need every pass's records), then the folds
-        m = e = mt = f = None
-        if st.num_sum_f:
-            m = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
-            e = arena.empty((st.num_sum_f, H, _D, _D), torch.float32)
-        if st.num_sum_r:
-            mt = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
-            f = arena.empty((st.num_sum_r, H, _D, _D), torch.float32)
         for p in lean:
             if not p.has_summaries:
                 continue
@@ -966,10 +918,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
             if p.rsum.shape[0]:
                 mod.bwd_rev_summary(do, prep, p.chunks, p.rsum, mt, f, st.summary_warps)
         if st.num_sum_f:
-            ffold = arena.empty((st.num_fold_f, H, _D, _D), torch.float32)
             mod.merge_fold(m, e, st.fchains, sin, ffold)
         if st.num_sum_r:
-            rfold = arena.empty((st.num_fold_r, H, _D, _D), torch.float32)
             mod.merge_fold(mt, f, st.rchains, dso, rfold)
     dq, dk, dv, dg, dbeta = grads
     for p in lean:  # (each pass walks a subset of the rows at the whole table's widths: not measured per pass)

@@ -1,4 +1,4 @@
-"""What the CUDA backend's wrappers share: the head dim, tensor checks, state byte counts."""
+"""What the CUDA backend's wrappers share: the head dim, tensor checks, the SM count, knobs, side streams."""
 
 from __future__ import annotations
 
@@ -8,19 +8,12 @@ import os
 
 import torch
 
-__all__ = ["_D", "_c", "check_tensors", "check_grid_bounds", "sm_count", "planning_sm_count", "state_bytes",
-           "env_choice", "side_streams"]
+__all__ = ["_D", "_c", "check_tensors", "check_grid_bounds", "sm_count", "planning_sm_count", "env_choice",
+           "side_streams"]
 
 _D = 128  # the kernels' head dim (K = V)
 MAX_GRID_Y = 65535  # CUDA's bound on gridDim.y and gridDim.z (csrc/kda_common.cuh kMaxGridY)
 MAX_GRID_X = 2**31 - 1  # ... on gridDim.x
-
-
-def state_bytes(n: int, heads: int) -> int:
-    """Arena bytes of n states (or summaries) [n, H, 128, 128] fp32."""
-    from ..arena import tensor_bytes
-
-    return tensor_bytes((n, heads, _D, _D), torch.float32)
 
 
 _SMS: dict = {}

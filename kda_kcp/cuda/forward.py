@@ -28,14 +28,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import status
-from ..arena import Arena, tensor_bytes
+from ..arena import Arena
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count, state_bytes
+from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count
 
-__all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summaries", "records_arena_bytes", "output_arena_bytes",
-           "summaries_arena_bytes", "choose_segment_chunks", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
-           "model_time", "run_groups", "run_group_tables", "early_runs", "late_runs",
-           "early_arena_bytes"]
+__all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summaries", "choose_segment_chunks",
+           "forward_tables", "RECORD_BYTES", "ENTRY_POINTS", "model_time", "run_groups", "run_group_tables",
+           "early_runs", "late_runs"]
 
 CHUNK = 64
 RECORD_BYTES = 59904  # kda::kFwdRecordBytes (fp16 tiles, csrc/kda_fwd.h)
@@ -332,50 +331,11 @@ def _state_shape(n: int, H: int) -> tuple[int, int, int, int]:
     return (n, H, _D, _D)
 
 
-def records_arena_bytes(plan, heads: int, device) -> int:
-    """Arena bytes of a ``PreparedForward``'s records (every chunk of the plan)."""
-    tabs = forward_tables(plan, heads, device)
-    if plan.num_tokens == 0 or plan.num_runs == 0 or tabs.num_chunks == 0:
-        return 0
-    return tensor_bytes((tabs.num_chunks * heads * RECORD_BYTES,), torch.uint8)
-
-
-def output_arena_bytes(plan, heads: int, device, out_runs=None) -> int:
-    """Arena bytes an output pass (of every run, or of ``out_runs``) carves after the records: segment summaries and
-    states."""
-    if out_runs is not None and not out_runs:
-        return 0
-    tabs = forward_tables(plan, heads, device, out_runs=out_runs)
-    if records_arena_bytes(plan, heads, device) == 0 or tabs.num_summary == 0:
-        return 0
-    return 2 * state_bytes(tabs.num_summary, heads) + state_bytes(tabs.num_sin, heads)
-
-
-def early_arena_bytes(plan, heads: int, device) -> tuple[int, int]:
-    """(carves of the early output pass, carves of the late one) of a KCP forward (``PreparedForward.reserve_early``,
-    then ``output``): the early one's live from before the exchange to the end of the call."""
-    early = early_runs(plan)
-    if not early:
-        return 0, output_arena_bytes(plan, heads, device)
-    return (output_arena_bytes(plan, heads, device, early),
-            output_arena_bytes(plan, heads, device, late_runs(plan, early)))
-
-
-def summaries_arena_bytes(plan, heads: int, run_ids, device) -> int:
-    """Arena bytes ``PreparedForward.summaries`` carves after the records, its results (M, E) included."""
-    run_ids = tuple(int(r) for r in run_ids)
-    n = 2 * state_bytes(len(run_ids), heads)
-    if run_ids:
-        tabs = forward_tables(plan, heads, device, run_ids=run_ids)
-        if tabs.num_summary > 0:
-            n += 2 * state_bytes(tabs.num_summary, heads)
-    return n
-
-
 class PreparedForward:
     """One forward call's chunk records, made once (fwd_prep over every chunk of the plan), then read by
     the summary walks of the runs a rank publishes (KCP) and by the output walk. Scratch comes from
-    ``arena`` (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve."""
+    ``arena`` (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve. On an arena that only
+    counts, every step carves what it carves on the GPU and launches nothing (``mod`` None): that sizes the call."""
 
     def __init__(self, q, k, v, g, beta, scale, plan, arena=None, checked=False, output_next=False):
         """``checked``: the caller has run ``kda_kcp.validate.check_inputs`` for the CUDA backend on these
@@ -388,13 +348,14 @@ class PreparedForward:
             q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
         self.q, self.k, self.v, self.g, self.beta = q, k, v, g, beta
         self.scale, self.plan = float(scale), plan
-        self.dev = self.q.device
-        self.word = status.word(self.dev)
+        self.arena = arena if arena is not None else Arena(None, self.q.device)
+        self.dev = self.arena.device  # the inputs' (meta when the arena only counts: then the one sized for)
+        counting = self.arena.counting
+        self.word = None if counting else status.word(self.dev)
         self.H = self.q.shape[1]
         check_grid_bounds(self.H, plan.num_chunks)
-        self.arena = arena if arena is not None else Arena(None, self.dev)
         self.tabs = forward_tables(plan, self.H, self.dev)
-        self.mod = load(self.dev) if plan.num_runs else None
+        self.mod = load(self.dev) if plan.num_runs and not counting else None  # None: nothing to launch
         self.none = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
         self.ws = None
         self.groups = None  # run groups whose records are made by ``output``, each before its own walk
@@ -402,9 +363,10 @@ class PreparedForward:
         self._late = ()  # the runs ``output`` walks after an early pass
         if self.q.shape[0] and plan.num_runs and self.tabs.num_chunks:
             self.ws = self.arena.empty((self.tabs.num_chunks * self.H * RECORD_BYTES,), torch.uint8)
-            self.groups = run_group_tables(plan, self.H, self.dev) if output_next else None
-            if self.groups is None:
-                self._prep(((0, self.tabs.num_chunks),))
+            if self.mod is not None:
+                self.groups = run_group_tables(plan, self.H, self.dev) if output_next else None
+                if self.groups is None:
+                    self._prep(((0, self.tabs.num_chunks),))
 
     def _prep(self, ranges) -> None:
         """Records of the chunk ranges [c0, c1) of the plan's chunk table (views of the table and the records)."""
@@ -429,12 +391,15 @@ class PreparedForward:
         if not run_ids:
             return M, E
         tabs = forward_tables(self.plan, H, self.dev, run_ids=run_ids)
-        if tabs.num_summary > 0:
+        if tabs.num_summary > 0:  # the segments' summaries, composed into each run's
             m = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
             e = arena.empty(_state_shape(tabs.num_summary, H), torch.float32)
-            self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, _warps())
         else:
             m = e = arena.empty(_state_shape(0, H), torch.float32)
+        if self.mod is None:
+            return M, E
+        if tabs.num_summary > 0:
+            self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, _warps())
         # empty runs: chains of count 0 give M = I, E = 0 (the compose kernel starts from [I | 0])
         self.mod.merge_compose(m, e, tabs.chains, M, E)
         status.fill(self.mod, self.dev, M, E)  # NaN, not garbage, for the other ranks if a value was out of domain
@@ -444,17 +409,19 @@ class PreparedForward:
         """The KCP forward's early pass: o, and the scratch of the output pass of ``early_runs`` (runs whose incoming
         state is zero) carved now, before the exchange's own carves. Returns the function that launches that pass on
         a side stream once ``ready`` (a CUDA event recorded after this rank's summaries; None: the current stream's
-        work so far) has passed, or None (no such run). ``output`` then walks the other runs on the current stream
-        and joins the side stream."""
+        work so far) has passed, or None (no such run, or nothing to launch). ``output`` then walks the other runs on
+        the current stream and joins the side stream."""
         ids = early_runs(self.plan)
         if not ids or self.ws is None:
             return None
         self._prep_rest()
         H = self.H
-        self._o = torch.empty(self.q.shape[0], H, _D, dtype=torch.bfloat16, device=self.dev)
+        self._o = torch.empty(self.q.shape[0], H, _D, dtype=torch.bfloat16, device=self.q.device)
         tabs = forward_tables(self.plan, H, self.dev, out_runs=ids)
         carves = self._carve(tabs)
         self._late = late_runs(self.plan, ids)
+        if self.mod is None:
+            return None
         records = None
         if _early_mode() == "2" and self.dev.type == "cuda":  # start beside this rank's summaries
             records = torch.cuda.Event()
@@ -487,7 +454,9 @@ class PreparedForward:
         return m, e, arena.empty(_state_shape(tabs.num_sin, H), torch.float32)
 
     def _output_pass(self, tabs, sin_t, o, carves) -> None:
-        """Summary walk, fold and output walk of the segments in ``tabs``."""
+        """Summary walk, fold and output walk of the segments in ``tabs`` (``carves``: ``_carve``'s)."""
+        if self.mod is None:
+            return
         warps = _warps()
         seg_states = self.none
         if carves is not None:
@@ -508,7 +477,7 @@ class PreparedForward:
     def _output(self, state_in):
         T, H = self.q.shape[0], self.H
         early = self._o is not None
-        o = self._o if early else torch.empty(T, H, _D, dtype=torch.bfloat16, device=self.dev)
+        o = self._o if early else torch.empty(T, H, _D, dtype=torch.bfloat16, device=self.q.device)
         if self.ws is None:
             return o
         sin_t = self.none

@@ -1,9 +1,9 @@
 """Workspaces and CUDA graphs on the CUDA path at W = 1 (tests/gpu/test_kcp_nccl.py covers W = 2).
 
 A WorkspaceKcp of exactly kda_workspace_bytes_kcp runs fwd + bwd with results bitwise equal to calls
-without one, allocates nothing but the outputs and never blocks the host; a byte less raises before any
-kernel runs; one workspace serves several packs in turn; fwd + bwd captured in a CUDA graph replays
-bitwise equal to eager calls on new input values."""
+without one, allocates nothing but the outputs, never blocks the host and fills its arena exactly; a byte
+less raises before any kernel runs; one workspace serves several packs in turn; fwd + bwd captured in a
+CUDA graph replays bitwise equal to eager calls on new input values."""
 
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ def test_exact_workspace_is_bitwise_allocation_free_and_non_blocking(pack):
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
     ws = kda_kcp.WorkspaceKcp(ctx, H)
     assert ws.nbytes == kda_kcp.kda_workspace_bytes_kcp(ctx, H) > 0
+    arenas, carve = [], ws.arena  # the two calls' arenas (W = 1: the workspace is all arena)
+    ws.arena = lambda *args: arenas.append(carve(*args)) or arenas[-1]
     ref = _step(inputs, do, ctx)  # also loads the kernels and uploads the plan's tables
     torch.cuda.synchronize()
     a0 = _allocations()
@@ -61,6 +63,7 @@ def test_exact_workspace_is_bitwise_allocation_free_and_non_blocking(pack):
     print(f"[{pack}] workspace {ws.nbytes / 2**20:.1f} MiB; allocations: forward {a1 - a0}, backward {a2 - a1}")
     assert a1 - a0 == 1, "the forward allocated more than o"
     assert a2 - a1 == 5, "the backward allocated more than dq, dk, dv, dg, dbeta"
+    assert len(arenas) == 2 and max(a.peak for a in arenas) == ws.nbytes, "the carves' peak is not the sizing's"
     for name, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), (o, *grads), ref):
         assert torch.equal(x, r), f"{name} with the workspace differs from the call without one"
 
