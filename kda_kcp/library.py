@@ -169,14 +169,14 @@ def chunk_kda_op(q, k, v, g, beta, ctx, scale, deterministic: bool, workspace=No
         scale = check_scale(scale, q.shape[-1])
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-    # the final states' row count, for the fake: from a tensor's shape where one carries it (a dynamic size, so new
-    # offsets reuse the graph); from the context itself otherwise (the graph then specializes on it)
+    # the final states' row count, for the fake: from a tensor's shape (a size the graph keeps symbolic once it
+    # changes, so a new document count reuses the graph), or B equal rows
     num_docs = 0
     if output_final_state:
         if initial_state is not None:
             num_docs = initial_state.shape[0]
         elif ctx is not None:
-            num_docs = ctx.num_docs
+            num_docs = ctx._doc_count.shape[0]
         elif cu_seqlens is not None:
             num_docs = cu_seqlens.shape[0] - 1
         else:
