@@ -8,7 +8,7 @@ as the folds' start values and leave through the summaries of the runs that star
 
 The workspace of one call is [exchange scratch | arena]. The CUDA backend carves all of its scratch from
 the arena (kda_kcp.arena): first the call's chunk records (made once, read by the KCP summaries and by the
-local pass), then each phase from the same base, so a call with a workspace allocates only its outputs (and, in the forward, the incoming states it saves for the backward). The torch backend
+local pass), then each phase from the same base, so a call with a workspace allocates only its outputs (and, in the forward, the incoming states it saves for the backward; with states, the state stages' scratch, kda_kcp.states). The torch backend
 uses the exchange part only. ``local_arena_bytes`` mirrors the carves below, which makes
 ``kda_workspace_bytes_kcp`` exact.
 """

@@ -176,6 +176,23 @@ def test_checkpoint_with_states_equals_plain():
         assert torch.equal(a, b)
 
 
+def test_double_backward_with_states_raises():
+    """With states, the gradients of a create_graph=True backward are the plain ones, dh0 included; differentiating
+    any of them again raises, toward h0 too."""
+    cu = offsets([70, 0, 130])
+    inputs, w, h0, w2 = state_inputs(cu, seed=9)
+    ctx = kda_kcp.build_context_kcp(cu)
+    plain = loss_and_grads(ours(ctx), inputs, w, h0, w2)
+    leaves = [x.clone().requires_grad_() for x in (*inputs, h0)]
+    o, ht = kda_kcp.chunk_kda_kcp(*leaves[:5], ctx, initial_state=leaves[5], output_final_state=True)
+    grads = torch.autograd.grad((o, ht), leaves, (w, w2), create_graph=True)
+    for a, b in zip(plain[2:], grads, strict=True):
+        assert torch.equal(a, b)
+    for gr in grads:
+        with pytest.raises(RuntimeError, match="chunk_kda_kcp is not twice differentiable"):
+            torch.autograd.grad((gr * gr).sum(), leaves[5], allow_unused=True)
+
+
 def test_bad_states_raise_before_running():
     cu = offsets([30, 50])
     inputs, w, h0, w2 = state_inputs(cu, seed=8)
