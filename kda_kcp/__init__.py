@@ -59,26 +59,39 @@ def _package(deterministic):
     return det
 
 
-def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, workspace=None, validate=None):
+def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, workspace=None, validate=None,
+                  initial_state=None, output_final_state=False):
     """KDA over this rank's shard of a packed batch; differentiable (works under torch.utils.checkpoint).
 
     q, k [T, H, K] and v [T, H, V] (BF16 on the CUDA backend), g [T, H, K] FP32 log decay in [-5, 0),
     beta [T, H] in (0, 1), ctx from build_context_kcp, scale default K^-1/2. Returns o [T, H, V].
+
+    ``initial_state`` [N, H, K, V] FP32 (N = ctx.num_docs; FP64 too on the torch backend with FP64 inputs): each
+    document's starting state, the same tensor on every rank; it enters on the rank where its document starts.
+    ``output_final_state=True`` returns (o, final_state [N, H, K, V]): each rank's rows are the final states of the
+    documents that end on it, zeros elsewhere. Likewise the gradient of ``initial_state`` on each rank holds the
+    rows of the documents that start there (sum over the ranks for the whole gradient). Documents without tokens
+    belong to rank 0.
     """
     pkg = _package(deterministic)
-    return pkg.chunk_kda_kcp(q, k, v, g, beta, ctx, scale, pkg.DETERMINISTIC, workspace, validate)
+    return pkg.chunk_kda_kcp(q, k, v, g, beta, ctx, scale, pkg.DETERMINISTIC, workspace, validate, initial_state,
+                             output_final_state)
 
 
-def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, workspace=None, validate=None):
-    """Forward only: returns (o, saved); pass saved to chunk_kda_bwd_kcp."""
+def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, workspace=None, validate=None,
+                      initial_state=None, output_final_state=False):
+    """Forward only: returns (o, saved), or (o, final_state, saved) with output_final_state=True; pass saved to
+    chunk_kda_bwd_kcp."""
     pkg = _package(deterministic)
-    return pkg.chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale, pkg.DETERMINISTIC, workspace, validate)
+    return pkg.chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale, pkg.DETERMINISTIC, workspace, validate, initial_state,
+                                 output_final_state)
 
 
-def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=True, workspace=None):
-    """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta) in the input dtypes."""
+def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=True, workspace=None, dht=None):
+    """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta) in the input dtypes, then dh0 when the
+    forward took an initial_state. ``dht``: the gradient of the forward's final state (None: zero)."""
     pkg = _package(deterministic)
-    return pkg.chunk_kda_bwd_kcp(do, saved, ctx, pkg.DETERMINISTIC, workspace)
+    return pkg.chunk_kda_bwd_kcp(do, saved, ctx, pkg.DETERMINISTIC, workspace, dht)
 
 
 def kda_workspace_bytes_kcp(ctx, num_heads, deterministic=True, local_arena="replay", lean_passes=None, **kw):

@@ -7,8 +7,8 @@ property the ranks must share. Then, the same on every rank:
 
 - a rank whose checks failed: the ranks exchange their messages (one all_gather_object, only on this path)
   and every rank raises one ValueError naming each failing rank and its message;
-- a property that differs (context, H, K, V, dtypes, scale, mode, workspace arena): every rank raises one
-  ValueError naming it and each rank's value.
+- a property that differs (context, H, K, V, dtypes, scale, mode, workspace arena, whether initial states are
+  passed and final states asked for): every rank raises one ValueError naming it and each rank's value.
 
 Only then does the payload all-gather, whose size depends on H, K, V and the dtype, run. Nothing here touches
 the GPU, so the header adds no device synchronization (and under CUDA-graph capture it runs on the host only).
@@ -37,6 +37,7 @@ _FIELDS = (
     "world_size", "layout", "num_docs", "num_tokens", "crc32", "adler32",
     # the call's properties (call_properties): this rank's local T, then what every rank must share
     "local_tokens", "H", "K", "V", "q", "k", "v", "g", "beta", "do", "scale", "deterministic", "arena", "lean_passes",
+    "initial_state", "final_state",
 )
 _AT = {name: i for i, name in enumerate(_FIELDS)}
 _PACKED = struct.Struct(f"<{len(_FIELDS)}q")  # torch.frombuffer of its bytes: ~3 us, torch.tensor(list) ~25 us
@@ -66,17 +67,20 @@ def _scale_of(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-def call_properties(q, k, v, g, beta, do, scale: float, deterministic: bool, workspace) -> list[int]:
-    """The header's property fields of one checked call (``do`` None in the forward)."""
+def call_properties(q, k, v, g, beta, do, scale: float, deterministic: bool, workspace, initial_state=None,
+                    final_state: bool = False) -> list[int]:
+    """The header's property fields of one checked call (``do`` None in the forward; ``initial_state`` and
+    ``final_state``: whether the call takes initial states and returns final states, the backward's from its
+    forward)."""
     if workspace is None:
         arena, passes = 0, 0
     elif workspace.lean_passes is None:
         arena, passes = 1, 0
     else:
         arena, passes = 2, workspace.lean_passes
-    codes = [_DTYPE_CODE[x.dtype] if x is not None else 0 for x in (q, k, v, g, beta, do)]
-    return [q.shape[0], q.shape[1], q.shape[2], v.shape[2], *codes, _scale_bits(scale), int(deterministic), arena,
-            passes]
+    codes = [_DTYPE_CODE[x.dtype] if x is not None else 0 for x in (q, k, v, g, beta, do, initial_state)]
+    return [q.shape[0], q.shape[1], q.shape[2], v.shape[2], *codes[:6], _scale_bits(scale), int(deterministic), arena,
+            passes, codes[6], int(final_state)]
 
 
 def _exchange_headers(group, world_size: int, header: list[int], error: BaseException | None) -> list[list[int]]:
@@ -156,6 +160,8 @@ def _property_problems(rows) -> list[str]:
         _differs("scale", rows, lambda r: r[at["scale"]], lambda x: repr(_scale_of(x))),
         _differs("deterministic", rows, lambda r: r[at["deterministic"]], lambda x: str(bool(x))),
         _differs("workspace", rows, lambda r: (r[at["arena"]], r[at["lean_passes"]]), _show_workspace),
+        _differs("initial_state (dtype, or none)", rows, lambda r: r[at["initial_state"]], _show_dtype),
+        _differs("output_final_state", rows, lambda r: r[at["final_state"]], lambda x: str(bool(x))),
     ]
     return [p for p in problems if p is not None]
 

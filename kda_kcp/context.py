@@ -48,6 +48,9 @@ class KcpContext:
         if self.token_index.is_cuda:  # the plan's chunk tables reach the GPU here, once
             self.local.device_tables(self.token_index.device)
         self._graph_handle = new_handle(self)  # names this context in torch.compile graphs (kda_kcp.library)
+        # the document count as a shape, which a compiled graph reads as a size instead of a constant (the final
+        # states' rows; kda_kcp.library)
+        self._doc_count = torch.empty(self.num_docs, 0)
 
     def index_on(self, device) -> torch.Tensor:
         """token_index on ``device`` (copied there once, then cached)."""

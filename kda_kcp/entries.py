@@ -39,26 +39,34 @@ def make_entries(package: str, mode: bool) -> dict:
                 f"(use {other}, or the facade kda_kcp, which routes on the flag)"
             )
 
-    def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None):
-        """Differentiable KDA over this rank's shard: returns o [T, H, V] (see kda_kcp.chunk_kda_kcp)."""
+    def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None,
+                      initial_state=None, output_final_state=False):
+        """Differentiable KDA over this rank's shard: returns o [T, H, V], or (o, final_state) with
+        output_final_state=True (see kda_kcp.chunk_kda_kcp)."""
         _own(deterministic)
         if is_compiling():  # one custom op node in the graph instead of tracing the library
-            return chunk_kda_op(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
-        return chunk_kda_autograd(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
+            return chunk_kda_op(q, k, v, g, beta, ctx, scale, mode, workspace, validate, initial_state=initial_state,
+                                output_final_state=output_final_state)
+        return chunk_kda_autograd(q, k, v, g, beta, ctx, scale, mode, workspace, validate, initial_state,
+                                  output_final_state)
 
-    def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None):
-        """Forward without autograd: returns (o, saved) for chunk_kda_bwd_kcp."""
+    def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None,
+                          initial_state=None, output_final_state=False):
+        """Forward without autograd: returns (o, saved), or (o, final_state, saved) with output_final_state=True,
+        for chunk_kda_bwd_kcp."""
         _own(deterministic)
         with torch.no_grad():
-            return forward_kcp(q, k, v, g, beta, ctx, scale, mode, workspace, validate)
+            return forward_kcp(q, k, v, g, beta, ctx, scale, mode, workspace, validate, initial_state,
+                               output_final_state)
 
-    def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=mode, workspace=None):
-        """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta)."""
+    def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=mode, workspace=None, dht=None):
+        """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta), and dh0 after them when the forward
+        took an initial_state (dht: the final state's gradient, or None)."""
         _own(deterministic)
         if isinstance(saved, KdaSaved) and saved.deterministic is not mode:  # backward_kcp checks the rest
             raise ValueError(f"saved comes from a deterministic={saved.deterministic} forward; {package} is deterministic={mode}")
         with torch.no_grad():
-            return backward_kcp(do, saved, ctx, workspace)
+            return backward_kcp(do, saved, ctx, workspace, dht)
 
     def kda_workspace_bytes_kcp(ctx, num_heads, deterministic=mode, local_arena="replay", lean_passes=None, **kw):
         _own(deterministic)

@@ -104,22 +104,19 @@ def _single_rank_context(cu: list[int]) -> KcpContext:
 # ---- option checks ----
 
 _REFUSED_FLAGS = {
-    "output_final_state": "final states are not supported yet",
     "disable_recompute": "kda_kcp's backward always recomputes its chunk records from the inputs (leave it False)",
     "return_intermediate_states": "intermediate states (an inference feature) are not supported",
-    "state_v_first": "states are not supported yet, so there is no state layout to choose",
+    "state_v_first": "kda_kcp's states are [N, H, K, V] (FLA's default layout) only",
     "use_graph": "not needed: a kda_kcp call is CUDA-graph capturable with a WorkspaceKcp (workspace=)",
 }
 
 
-def _check_options(flags: dict, initial_state, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+def _check_options(flags: dict, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound,
                    safe_gate, use_beta_sigmoid_in_kernel, allow_neg_eigval, extra: dict) -> None:
     for name, value in flags.items():
         check_flag(name, value)
         if value and name in _REFUSED_FLAGS:
             raise ValueError(f"chunk_kda: {name}=True is not supported by kda_kcp: {_REFUSED_FLAGS[name]}")
-    if initial_state is not None:
-        raise ValueError("chunk_kda: initial_state is not supported by kda_kcp yet (pass None)")
     if max_num_seqs is not None:
         raise ValueError("chunk_kda: max_num_seqs (FLA's CUDA-graph padding, with use_graph) is not supported by kda_kcp")
     for name, value in extra.items():
@@ -251,7 +248,8 @@ def chunk_kda(
     workspace=None,
     **kwargs,
 ):
-    """KDA with FLA 0.6.0's ``chunk_kda`` call (same parameter names, order and defaults); returns ``(o, None)``.
+    """KDA with FLA 0.6.0's ``chunk_kda`` call (same parameter names, order and defaults); returns
+    ``(o, final_state)``, final_state None unless ``output_final_state``.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]`` (HV a multiple of H: each
     group of HV / H value heads shares one q, k head, FLA's GVA). o is ``[B, T, HV, V]`` in q's dtype.
@@ -261,6 +259,12 @@ def chunk_kda(
       context of the offsets.
     - ``cp_context``: a ``kda_kcp.KcpContext`` (``build_context_kcp(cu_seqlens, group, layout)``); the tensors
       are then this rank's shard ``[1, T_local, ...]`` (``ctx.shard`` of the global rows) and o is its shard.
+    - ``initial_state``: ``[N, HV, K, V]`` FP32, one state per sequence (N = len(cu_seqlens) - 1, else B);
+      ``output_final_state=True`` returns each sequence's final state, ``[N, HV, K, V]`` FP32 (FP64 on the torch
+      backend for FP64 inputs). Both differentiable. With ``cp_context`` every rank passes every sequence's
+      initial state, which enters on the rank where its sequence starts; each rank's final_state holds the
+      sequences that end on it (zeros elsewhere), and the initial state's gradient on each rank the sequences that
+      start there (summed over the ranks: the whole gradient). FLA's context parallelism refuses both.
     - ``use_qk_l2norm_in_kernel``: q, k divided by sqrt(sum of squares + 1e-6) over K.
     - ``use_gate_in_kernel``: g is the raw gate and ``A_log`` (HV values), ``dt_bias`` (HV * K, optional) are
       keywords, as in FLA: ``-exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound`` (in [-5, 0))
@@ -278,8 +282,7 @@ def chunk_kda(
     fusing them into the kernels that already read q, k, g and beta is later work. On the CUDA backend q, k, v
     and beta reach the kernels in BF16 and g in FP32 (converted differentiably when the caller's dtypes differ).
 
-    Not supported, each raising ``ValueError`` that names it: ``initial_state``, ``output_final_state=True``,
-    ``disable_recompute=True``, ``return_intermediate_states=True``, ``state_v_first=True``, ``use_graph=True``,
+    Not supported, each raising ``ValueError`` that names it: ``disable_recompute=True``, ``return_intermediate_states=True``, ``state_v_first=True``, ``use_graph=True``,
     ``max_num_seqs``, ``chunk_size`` other than 64, and any keyword FLA does not define.
     """
     flags = dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -287,7 +290,7 @@ def chunk_kda(
                  allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, disable_recompute=disable_recompute,
                  return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
                  use_graph=use_graph, deterministic=deterministic)
-    _check_options(flags, initial_state, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+    _check_options(flags, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
                    use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
     B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
     compiling = torch.compiler.is_compiling()  # the custom op then makes the context when it runs (kda_kcp.library)
@@ -317,10 +320,13 @@ def chunk_kda(
 
     q, k, v, g, beta = packed(q, qkv_dtype), packed(k, qkv_dtype), packed(v, qkv_dtype), packed(g, g_dtype), \
         packed(beta, beta_dtype)
+    states = dict(initial_state=initial_state, output_final_state=output_final_state)
     if compiling:
         cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
-        o = chunk_kda_op(q, k, v, g, beta, cp_context, scale, _package(deterministic).DETERMINISTIC, workspace,
-                         cu_seqlens=cu, packed_rows=B)
+        out = chunk_kda_op(q, k, v, g, beta, cp_context, scale, _package(deterministic).DETERMINISTIC, workspace,
+                           cu_seqlens=cu, packed_rows=B, **states)
     else:
-        o = chunk_kda_kcp(q, k, v, g, beta, ctx, scale=scale, deterministic=deterministic, workspace=workspace)
-    return o.reshape(B, T, HV, o.shape[-1]).to(out_dtype), None
+        out = chunk_kda_kcp(q, k, v, g, beta, ctx, scale=scale, deterministic=deterministic, workspace=workspace,
+                            **states)
+    o, final_state = out if output_final_state else (out, None)
+    return o.reshape(B, T, HV, o.shape[-1]).to(out_dtype), final_state

@@ -3,14 +3,16 @@
 Forward (docs/design.md §4): summaries of the runs whose document continues later -> one all-gather
 -> affine merge into each run's incoming state -> fwd_output. Backward mirrors it with (M^T, F) of the
 runs whose document started earlier, folded from the document end into each run's outgoing state
-gradient, then the local gradients.
+gradient, then the local gradients. Initial and final states per document (kda_kcp.states, §4b) enter
+as the folds' start values and leave through the summaries of the runs that start and end a document.
 
 The workspace of one call is [exchange scratch | arena]. The CUDA backend carves all of its scratch from
 the arena (kda_kcp.arena): first the call's chunk records (made once, read by the KCP summaries and by the
 local pass), then each phase from the same base, so a call with a workspace allocates only its outputs (and, in
-the forward, the incoming states it saves for the backward). The torch backend uses the exchange part only.
-``arena_parts`` sizes the arena by running the calls' own steps below (``ForwardCall.checked`` and ``finish``,
-``_backward``) on meta tensors and an arena that only counts: no kernel, no collective, the same carves.
+the forward, the incoming states it saves for the backward; with states, the state stages' scratch,
+kda_kcp.states). The torch backend uses the exchange part only. ``arena_parts`` sizes the arena by running the
+calls' own steps below (``ForwardCall.checked`` and ``finish``, ``_backward``) on meta tensors and an arena that
+only counts: no kernel, no collective, the same carves.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from .backend import select_backend
 from .context import KcpContext
 from .exchange import gather_summaries
 from .torch_backend import compute_dtype
-from .validate import check_grad_output, check_inputs, check_scale, check_values, values_requested
+from .states import doc_runs, final_states, initial_state_grad, run_rows
+from .validate import (check_final_state_grad, check_flag, check_grad_output, check_initial_state, check_inputs,
+                       check_scale, check_values, values_requested)
 from .walk import affine_merge
 from .workspace import WorkspaceKcp, exchange_elements, workspace_bytes
 
@@ -35,8 +39,9 @@ __all__ = ["KdaSaved", "ForwardCall", "forward_kcp", "backward_kcp", "check_save
 
 @dataclass
 class KdaSaved:
-    """What the forward hands the backward: the inputs (by reference), each run's incoming state and the
-    forward's context (the backward must run on the same split)."""
+    """What the forward hands the backward: the inputs (by reference), each run's incoming state from the exchange,
+    the forward's context (the backward must run on the same split), its initial states (by reference) and
+    whether it returned final states."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -47,9 +52,18 @@ class KdaSaved:
     scale: float
     deterministic: bool
     ctx: KcpContext
+    initial_state: torch.Tensor | None = None  # [N, H, K, V], the caller's
+    final_state: bool = False
 
     def tensors(self):
-        return (self.q, self.k, self.v, self.g, self.beta, self.state_in)
+        return (self.q, self.k, self.v, self.g, self.beta, self.state_in, self.initial_state)
+
+    def incoming_states(self, docs, dtype) -> torch.Tensor | None:
+        """Each run's incoming state [R, H, K, V]: the exchange's, or the initial states of the runs' documents
+        (every run starts its document when nothing is exchanged), or None (zero)."""
+        if self.state_in is not None or self.initial_state is None:
+            return self.state_in
+        return run_rows(self.initial_state, docs, dtype)
 
 
 def _summary_dtype(backend, *xs) -> torch.dtype:
@@ -91,7 +105,7 @@ def arena_parts(ctx, num_heads: int, backend, device, head_dim: int = 128, value
     return fwd, arena.peak
 
 
-def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
+def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, initial_state, output_final_state):
     """This rank's checks of one forward call (agreed with every rank by ``agree_call``), then its workspace
     split: (backend, scale, summary dtype, exchange buffer, arena)."""
     backend = select_backend(q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), deterministic)
@@ -103,12 +117,16 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
         check_values(g, beta, q, k, v)
     backend.check_call(q, k, v, g, beta, ctx.local)
     dt = _summary_dtype(backend, q, k, v, g, beta)
+    check_flag("output_final_state", output_final_state)
+    check_initial_state(initial_state, ctx.num_docs, q, v, dt)
     xbuf, arena = _split_workspace(workspace, ctx, backend, q.shape[1], q.shape[2], v.shape[2], dt, q.device)
     return backend, scale, dt, xbuf, arena
 
 
-def _forward_properties(checked, q, k, v, g, beta, ctx, scale, deterministic, workspace, validate):
-    return call_properties(q, k, v, g, beta, None, checked[1], deterministic, workspace)
+def _forward_properties(checked, q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, initial_state,
+                        output_final_state):
+    return call_properties(q, k, v, g, beta, None, checked[1], deterministic, workspace, initial_state,
+                           output_final_state)
 
 
 def _describe(ctx) -> str:
@@ -164,10 +182,12 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     return xbuf, arena
 
 
-def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf, arena, out, after_summaries=None):
+def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf, arena, out, after_summaries=None,
+                        init=None, docs=None):
     """This rank's summaries of the runs it publishes -> one all-gather -> the fixed-order fold into
     every local run: incoming states (forward) or outgoing state gradients (backward), written to ``out``
-    [R, H, K, V]. ``after_summaries`` (optional) is called once the all-gather is enqueued, with a CUDA event
+    [R, H, K, V]; each run's fold starts from row ``docs.run_docs`` of ``init`` [N, H, K, V] (the initial states,
+    or the final states' gradient; None: zero). ``after_summaries`` (optional) is called once the all-gather is enqueued, with a CUDA event
     recorded after this rank's summaries and before the all-gather (None off CUDA): what it launches on a side
     stream then waits for the summaries but not for the other ranks, and goes after the collective in launch order.
     With an arena nothing here allocates; with one that only counts, nothing is exchanged or merged either (the
@@ -195,7 +215,7 @@ def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf,
         arena.release(base)  # this rank's summaries are in the exchange buffer now
         tmp = arena.empty((H, K, V), dt)
     if exchange:
-        affine_merge(maps, offsets, sources[ctx.rank], out, tmp)
+        affine_merge(maps, offsets, sources[ctx.rank], out, tmp, init, None if init is None else docs.doc_list)
     if arena is not None:
         arena.release(base)
     return out
@@ -210,71 +230,98 @@ def _in_backward() -> bool:
 class ForwardCall:
     """One forward call in two steps. Making it: the checks, the workspace split and, when the plan exchanges
     (W > 1 with a document crossing a piece), the chunk records, this rank's summaries, the all-gather and the
-    merge into each run's incoming state (``saved.state_in``). ``finish``: the records if the first step made
-    none, then the output pass. Inputs are read, never written."""
+    merge into each run's incoming state (``saved.state_in``; with initial states the folds start from them).
+    ``finish``: the records if the first step made none, then the output pass (and the final states when asked
+    for). Inputs are read, never written."""
 
-    def __init__(self, q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
+    def __init__(self, q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None, initial_state=None,
+                 output_final_state=False):
         backend, scale, dt, xbuf, arena = agree_call(
             ctx, "forward", _prepare, _forward_properties, q, k, v, g, beta, ctx, scale, deterministic, workspace,
-            validate)
-        self._start(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, None)
+            validate, initial_state, output_final_state)
+        self._start(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, None,
+                    initial_state, output_final_state)
 
     @classmethod
-    def checked(cls, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early):
+    def checked(cls, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early,
+                initial_state=None, output_final_state=False):
         """The first step of a call whose checks have passed and whose workspace is split (``arena_parts`` sizes a
         call this way, on an arena that only counts)."""
         call = cls.__new__(cls)
-        call._start(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early)
+        call._start(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early,
+                    initial_state, output_final_state)
         return call
 
-    def _start(self, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early):
+    def _start(self, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, walk_early,
+               initial_state, output_final_state):
         """``walk_early``: whether the runs whose document starts here may be walked beside the exchange (None:
-        unless this runs inside a backward pass)."""
+        unless this runs inside a backward pass; never with initial states, which those runs start from)."""
         self.backend, self.arena = backend, arena
         plan, local = ctx.plan, ctx.local
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
         self.workspace = workspace
         self.local = local
+        self.state_dtype = dt
+        self.final_shape = (ctx.num_docs, H, K, V)
+        with_states = initial_state is not None or output_final_state
+        self.docs = doc_runs(ctx, q.device) if with_states else None
         self.prepared = None
         state_in = None
         if plan.needs_exchange:
             self.prepared = self.backend.fwd_prepare(q, k, v, g, beta, scale, local, self.arena)  # records, once
-            # the runs whose document starts here need no incoming state: their output pass can run beside the
-            # exchange (KDA_KCP_FWD_EARLY; not in a checkpoint's recomputation, which never asks for o)
+            # the runs whose document starts here need no incoming state (unless it is an initial state): their
+            # output pass can run beside the exchange (KDA_KCP_FWD_EARLY; not in a checkpoint's recomputation,
+            # which never asks for o)
             early = None
             if walk_early is None:
                 walk_early = not _in_backward()
-            if hasattr(self.prepared, "reserve_early") and walk_early:
+            if hasattr(self.prepared, "reserve_early") and walk_early and initial_state is None:
                 early = self.prepared.reserve_early()  # its scratch carved before the exchange's
             state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
             _exchange_and_merge(ctx, self.prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q,
-                                v, dt, xbuf, self.arena, state_in, after_summaries=early)
-        self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx)
+                                v, dt, xbuf, self.arena, state_in, after_summaries=early, init=initial_state,
+                                docs=self.docs)
+        self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, initial_state,
+                              bool(output_final_state))
 
-    def finish(self) -> torch.Tensor:
+    def finish(self):
+        """(o, the final states [N, H, K, V] or None when not asked for)."""
         s = self.saved
         if self.prepared is None:
             self.prepared = self.backend.fwd_prepare(s.q, s.k, s.v, s.g, s.beta, s.scale, self.local, self.arena,
                                                      output_next=True)
-        o, self.prepared = self.prepared.output(s.state_in), None
+        state_in = s.incoming_states(self.docs, self.state_dtype)
+        o = self.prepared.output(state_in)
+        ht = None
+        if s.final_state:  # after the output pass: its records are only read by it
+            ht = final_states(self.prepared.summaries, self.docs, state_in, s.initial_state, self.final_shape,
+                              self.state_dtype, s.q.device)
+        self.prepared = None
         if self.workspace is not None:
             self.workspace.end_use()
-        return o
+        return o, ht
 
 
-def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
-    """Returns (o, KdaSaved). Inputs are read, never written."""
-    call = ForwardCall(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
-    return call.finish(), call.saved
+def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None, initial_state=None,
+                output_final_state=False):
+    """Returns (o, KdaSaved), or (o, final states, KdaSaved) with ``output_final_state``. Inputs are read, never
+    written."""
+    call = ForwardCall(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, initial_state,
+                       output_final_state)
+    o, ht = call.finish()
+    return (o, call.saved) if ht is None else (o, ht, call.saved)
 
 
-def _backward_checks(do, saved, ctx, workspace):
+def _backward_checks(do, saved, ctx, workspace, dht):
     """This rank's checks of one backward call (agreed with every rank by ``agree_call``), then its workspace
     split: (backend, summary dtype, exchange buffer, arena)."""
     check_saved(saved, ctx)
     q, v = saved.q, saved.v
     backend = select_backend(q.device, saved.deterministic)
     check_grad_output(do, q, v)
+    if dht is not None and not saved.final_state:
+        raise ValueError("dht was given but the forward returned no final state (output_final_state=False)")
+    check_final_state_grad(dht, ctx.num_docs, q, v)
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
     backend.check_call(q, saved.k, v, saved.g, saved.beta, ctx.local)
@@ -283,30 +330,33 @@ def _backward_checks(do, saved, ctx, workspace):
     return backend, dt, xbuf, arena
 
 
-def _backward_properties(checked, do, saved, ctx, workspace):
+def _backward_properties(checked, do, saved, ctx, workspace, dht):
     return call_properties(saved.q, saved.k, saved.v, saved.g, saved.beta, do, saved.scale, saved.deterministic,
-                           workspace)
+                           workspace, saved.initial_state, saved.final_state)
 
 
-def backward_kcp(do, saved: KdaSaved, ctx, workspace=None):
-    """Returns (dq, dk, dv, dg, dbeta) in the input dtypes."""
+def backward_kcp(do, saved: KdaSaved, ctx, workspace=None, dht=None, initial_state_grad_wanted=True):
+    """Returns (dq, dk, dv, dg, dbeta) in the input dtypes, and dh0 (in the initial states' dtype; None unless
+    ``initial_state_grad_wanted``) after them when the forward took initial states. ``dht``: the gradient of the
+    final states the forward returned (None: zero)."""
     # the ranks agree on the forward's context: every rank has it, even one that passed a wrong ctx
     fwd_ctx = saved.ctx if isinstance(saved, KdaSaved) else ctx
     backend, dt, xbuf, arena = agree_call(fwd_ctx, "backward", _backward_checks, _backward_properties, do, saved, ctx,
-                                          workspace)
+                                          workspace, dht)
     passes = workspace.lean_passes if workspace is not None else None
-    return _backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace)
+    return _backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace, dht, initial_state_grad_wanted)
 
 
-def _backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace):
+def _backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace, dht=None, initial_state_grad_wanted=True):
     """``backward_kcp`` once its checks have passed (``arena_parts`` sizes a call this way, on an arena that only
     counts)."""
-    q, k, v, g, beta = saved.q, saved.k, saved.v, saved.g, saved.beta
+    q, k, v, g, beta, h0 = saved.q, saved.k, saved.v, saved.g, saved.beta, saved.initial_state
     if backend.name == "cuda":
         do = do.to(torch.bfloat16)  # the kernels read the output's dtype
     do = do.contiguous()
     plan, local = ctx.plan, ctx.local
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    docs = doc_runs(ctx, q.device) if h0 is not None or dht is not None else None
     prepared = backend.bwd_prepare(q, k, v, g, beta, do, saved.scale, local, arena, passes)  # records, once
     dstate_out = None
     if plan.needs_exchange:
@@ -316,11 +366,17 @@ def _backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace):
         else:
             dstate_out = q.new_empty(local.num_runs, H, K, V, dtype=dt)
         _exchange_and_merge(ctx, prepared.summaries, plan.bwd_publish, plan.bwd_slots, plan.bwd_sources, q, v, dt,
-                            xbuf, arena, dstate_out)
-    grads = prepared.grads(saved.state_in, dstate_out)
+                            xbuf, arena, dstate_out, init=dht, docs=docs)
+    elif dht is not None:  # every run ends its document
+        dstate_out = run_rows(dht, docs, dt)
+    dh0 = None
+    if h0 is not None and initial_state_grad_wanted:  # before the gradients, which overwrite the CUDA records
+        dh0 = initial_state_grad(prepared.summaries, docs, dstate_out, dht, h0)
+    grads = prepared.grads(saved.incoming_states(docs, dt), dstate_out)
     if workspace is not None:
         workspace.end_use()
-    return tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
+    grads = tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
+    return grads if h0 is None else (*grads, dh0)
 
 
 DOUBLE_BACKWARD = (
@@ -338,53 +394,72 @@ def _not_differentiable(grads, sources):
 
 
 # The differentiable call is two autograd nodes. KdaKcpInputs makes the ForwardCall (its first step), keeps
-# the inputs (and the incoming states) for the backward and returns a placeholder shaped like o; KdaKcpOutput
-# runs the output pass and hands do back to the placeholder, so KdaKcpInputs.backward receives do and computes
-# every gradient.
+# the inputs (and the incoming states) for the backward and returns a placeholder shaped like o (and one shaped
+# like the final states, when asked for); KdaKcpOutput runs the output pass (and makes the final states) and hands
+# do (and dht) back to the placeholders, so KdaKcpInputs.backward receives them and computes every gradient.
 # Why two: a non-reentrant torch.utils.checkpoint recomputation stops as soon as the tensors the backward saved
 # are back (torch's early stop, on by default). They are all saved by KdaKcpInputs, before the output pass, so
 # when nothing later in the checkpointed region saved o, the recomputation never runs the output pass (at
 # W = 1 it runs no kernel at all); when something did, it runs on and o is recomputed as before.
+# Neither node materializes absent output gradients: an unused o or final state costs no zeros.
 
 
 class KdaKcpInputs(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, handoff):
-        call = ForwardCall(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
+    def forward(fctx, q, k, v, g, beta, initial_state, ctx, scale, deterministic, workspace, validate,
+                output_final_state, handoff):
+        call = ForwardCall(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, initial_state,
+                           output_final_state)
         handoff.append(call)
         saved = call.saved
-        extra = () if saved.state_in is None else (saved.state_in,)
-        fctx.save_for_backward(q, k, v, g, beta, *extra)
-        fctx.kcp = (ctx, saved.scale, deterministic, workspace)
+        fctx.save_for_backward(q, k, v, g, beta, initial_state, saved.state_in)
+        fctx.kcp = (ctx, saved.scale, deterministic, workspace, saved.final_state)
+        fctx.set_materialize_grads(False)
         # o's shape and the inputs' dtype (the dtype of o on either backend), without storage
-        return q.new_empty(()).expand(q.shape[0], q.shape[1], v.shape[2])
+        o = q.new_empty(()).expand(q.shape[0], q.shape[1], v.shape[2])
+        if not saved.final_state:
+            return o
+        return o, q.new_empty((), dtype=call.state_dtype).expand(call.final_shape)
 
     @staticmethod
-    def backward(fctx, do):
-        ctx, scale, deterministic, workspace = fctx.kcp
-        q, k, v, g, beta, *extra = fctx.saved_tensors
-        saved = KdaSaved(q, k, v, g, beta, extra[0] if extra else None, scale, deterministic, ctx)
+    def backward(fctx, do, dht=None):
+        ctx, scale, deterministic, workspace, final_state = fctx.kcp
+        q, k, v, g, beta, h0, state_in = fctx.saved_tensors
+        if do is None:  # only the final states reached the loss
+            do = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, h0, final_state)
+        wanted = fctx.needs_input_grad[5]
         if not torch.is_grad_enabled():
-            grads = backward_kcp(do, saved, ctx, workspace)
+            grads = backward_kcp(do, saved, ctx, workspace, dht, wanted)
         else:  # backward(create_graph=True): the kernels have no backward, so one through these gradients raises
             with torch.no_grad():
-                grads = backward_kcp(do, saved, ctx, workspace)
-            grads = _not_differentiable(grads, (q, k, v, g, beta, do))
-        return (*grads, None, None, None, None, None, None)
+                grads = backward_kcp(do, saved, ctx, workspace, dht, wanted)
+            sources = tuple(x for x in (q, k, v, g, beta, do, h0, dht) if x is not None)
+            given = tuple(x for x in grads if x is not None)
+            given = iter(_not_differentiable(given, sources))
+            grads = tuple(None if x is None else next(given) for x in grads)
+        dh0 = grads[5] if len(grads) > 5 else None
+        return (*grads[:5], dh0, None, None, None, None, None, None, None)
 
 
 class KdaKcpOutput(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, placeholder, handoff):
-        return handoff.pop().finish()
+    def forward(fctx, handoff, *placeholders):
+        fctx.set_materialize_grads(False)
+        o, ht = handoff.pop().finish()
+        return o if ht is None else (o, ht)
 
     @staticmethod
-    def backward(fctx, do):
-        return do, None
+    def backward(fctx, *grads):
+        return (None, *grads)
 
 
-def chunk_kda_autograd(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None):
-    """o of one differentiable KCP call (the two nodes above)."""
+def chunk_kda_autograd(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None, initial_state=None,
+                       output_final_state=False):
+    """o of one differentiable KCP call (the two nodes above), or (o, final states) with ``output_final_state``."""
     handoff = []
-    placeholder = KdaKcpInputs.apply(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, handoff)
-    return KdaKcpOutput.apply(placeholder, handoff)
+    placeholders = KdaKcpInputs.apply(q, k, v, g, beta, initial_state, ctx, scale, deterministic, workspace, validate,
+                                      output_final_state, handoff)
+    if not isinstance(placeholders, tuple):
+        placeholders = (placeholders,)
+    return KdaKcpOutput.apply(handoff, *placeholders)

@@ -1,7 +1,8 @@
 """The KDA call as ``torch.library`` custom ops: the route of ``chunk_kda_kcp`` and ``chunk_kda`` under torch.compile.
 
-``kda_kcp::fwd`` returns ``(o, state_in)`` and ``kda_kcp::bwd`` the five gradients; their fake functions give
-dynamo the shapes, and ``fwd``'s registered autograd calls ``bwd``. The op boundary keeps dynamo out of the
+``kda_kcp::fwd`` returns ``(o, state_in, final_state)`` and ``kda_kcp::bwd`` the five gradients and the initial
+state's (absent ones as empty tensors); their fake functions give dynamo the shapes, and ``fwd``'s registered
+autograd calls ``bwd``. The op boundary keeps dynamo out of the
 library's Python (plans, caches, exchanges): a compiled model holds the two ops as nodes of one graph.
 
 A ``KcpContext`` or ``WorkspaceKcp`` is not a tensor, so the ops take its handle instead: a one-element int64 CPU
@@ -70,83 +71,118 @@ Tensor = torch.Tensor
 
 
 @torch.library.custom_op("kda_kcp::fwd", mutates_args=())
-def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx_handle: Optional[Tensor],
-         cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float], deterministic: bool,
-         workspace_handle: Optional[Tensor], validate: bool) -> tuple[Tensor, Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+         ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float],
+         deterministic: bool, workspace_handle: Optional[Tensor], validate: bool, output_final_state: bool,
+         num_docs: int) -> tuple[Tensor, Tensor, Tensor]:
     from .function import forward_kcp
 
     ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
+    if output_final_state and num_docs != ctx.num_docs:
+        raise RuntimeError(f"kda_kcp: the compiled call was traced for {num_docs} documents, its context has "
+                           f"{ctx.num_docs}")
     workspace = _object_of(workspace_handle, "WorkspaceKcp")
-    o, saved = forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate)
-    state_in = saved.state_in
-    if state_in is None:  # no exchange: an empty stand-in (an op returns tensors)
-        dtype = _state_dtype(q, k, v, g, beta, deterministic)
-        state_in = q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=dtype)
-    return o, state_in
+    out = forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, initial_state,
+                      output_final_state)
+    o, saved = out[0], out[-1]
+    dtype = _state_dtype(q, k, v, g, beta, deterministic)
+    empty = q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=dtype)  # an absent state (an op returns tensors)
+    state_in = saved.state_in if saved.state_in is not None else empty
+    return o, state_in, out[1] if output_final_state else empty.clone()
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, g, beta, ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle, validate):
+def _fwd_fake(q, k, v, g, beta, initial_state, ctx_handle, cu_seqlens, packed_rows, scale, deterministic,
+              workspace_handle, validate, output_final_state, num_docs):
     runs = torch.library.get_ctx().new_dynamic_size()  # the context's run count is known when the op runs
     state_dtype = _state_dtype(q, k, v, g, beta, deterministic)
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(runs, q.shape[1], q.shape[2], v.shape[2],
-                                                                         dtype=state_dtype)
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    return (q.new_empty(q.shape[0], H, V), q.new_empty(runs, H, K, V, dtype=state_dtype),
+            q.new_empty(num_docs if output_final_state else 0, H, K, V, dtype=state_dtype))
 
 
 @torch.library.custom_op("kda_kcp::bwd", mutates_args=())
-def _bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_in: Tensor,
-         ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float],
-         deterministic: bool, workspace_handle: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+         state_in: Tensor, initial_state: Optional[Tensor], ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor],
+         packed_rows: int, scale: Optional[float], deterministic: bool, workspace_handle: Optional[Tensor],
+         output_final_state: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     from .function import KdaSaved, backward_kcp
     from .validate import check_scale
 
     ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
     workspace = _object_of(workspace_handle, "WorkspaceKcp")
     saved = KdaSaved(q, k, v, g, beta, state_in if ctx.plan.needs_exchange else None, check_scale(scale, q.shape[-1]),
-                     deterministic, ctx)
-    return backward_kcp(do, saved, ctx, workspace)
+                     deterministic, ctx, initial_state, output_final_state)
+    grads = backward_kcp(do, saved, ctx, workspace, dht)
+    if len(grads) == 5:  # no initial state: an empty stand-in for its gradient
+        grads = (*grads, q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32))
+    return grads
 
 
 @_bwd.register_fake
-def _bwd_fake(do, q, k, v, g, beta, state_in, ctx_handle, cu_seqlens, packed_rows, scale, deterministic,
-              workspace_handle):
-    return tuple(x.new_empty(x.shape) for x in (q, k, v, g, beta))
+def _bwd_fake(do, dht, q, k, v, g, beta, state_in, initial_state, ctx_handle, cu_seqlens, packed_rows, scale,
+              deterministic, workspace_handle, output_final_state):
+    dh0 = (initial_state.new_empty(initial_state.shape) if initial_state is not None
+           else q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32))
+    return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), dh0)
 
 
 def _setup_context(ctx, inputs, output):  # ctx: autograd's (torch passes it by this name)
-    q, k, v, g, beta, ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle, _ = inputs
-    ctx.save_for_backward(q, k, v, g, beta, output[1], ctx_handle, cu_seqlens, workspace_handle)
-    ctx.call = (packed_rows, scale, deterministic)
+    (q, k, v, g, beta, initial_state, ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle, _,
+     output_final_state, _) = inputs
+    ctx.save_for_backward(q, k, v, g, beta, output[1], initial_state, ctx_handle, cu_seqlens, workspace_handle)
+    ctx.call = (packed_rows, scale, deterministic, output_final_state)
 
 
-def _backward(ctx, do, _dstate_in):
-    q, k, v, g, beta, state_in, ctx_handle, cu_seqlens, workspace_handle = ctx.saved_tensors
-    packed_rows, scale, deterministic = ctx.call
-    grads = torch.ops.kda_kcp.bwd(do, q, k, v, g, beta, state_in, ctx_handle, cu_seqlens, packed_rows, scale,
-                                  deterministic, workspace_handle)
-    return (*grads, None, None, None, None, None, None, None)
+def _backward(ctx, do, _dstate_in, dht):
+    q, k, v, g, beta, state_in, initial_state, ctx_handle, cu_seqlens, workspace_handle = ctx.saved_tensors
+    packed_rows, scale, deterministic, output_final_state = ctx.call
+    if do is None:  # only the final states reached the loss
+        do = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    grads = torch.ops.kda_kcp.bwd(do, dht if output_final_state else None, q, k, v, g, beta, state_in, initial_state,
+                                  ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle,
+                                  output_final_state)
+    dh0 = grads[5] if initial_state is not None else None
+    return (*grads[:5], dh0, *[None] * 9)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def chunk_kda_op(q, k, v, g, beta, ctx, scale, deterministic: bool, workspace=None, validate=None, cu_seqlens=None,
-                 packed_rows: int = 0):
-    """o of one call through the custom ops (what chunk_kda_kcp runs under torch.compile). ``ctx`` is a KcpContext,
-    or, for ``chunk_kda`` (``packed_rows`` = B), its cp_context or None; ``cu_seqlens`` is chunk_kda's."""
+                 packed_rows: int = 0, initial_state=None, output_final_state: bool = False):
+    """o of one call through the custom ops (what chunk_kda_kcp runs under torch.compile), or (o, final states) with
+    ``output_final_state``. ``ctx`` is a KcpContext, or, for ``chunk_kda`` (``packed_rows`` = B), its cp_context or
+    None; ``cu_seqlens`` is chunk_kda's."""
     from .context import KcpContext
-    from .validate import check_scale, values_requested
+    from .validate import check_flag, check_scale, values_requested
     from .workspace import WorkspaceKcp
 
     if ctx is not None and not isinstance(ctx, KcpContext):
         raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+    check_flag("output_final_state", output_final_state)
     if scale is not None:
         scale = check_scale(scale, q.shape[-1])
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-    o, _ = torch.ops.kda_kcp.fwd(q, k, v, g, beta, None if ctx is None else ctx._graph_handle, cu_seqlens, packed_rows,
-                                 scale, deterministic, None if workspace is None else workspace._graph_handle,
-                                 values_requested(validate))
-    return o
+    # the final states' row count, for the fake: from a tensor's shape (a size the graph keeps symbolic once it
+    # changes, so a new document count reuses the graph), or B equal rows
+    num_docs = 0
+    if output_final_state:
+        if initial_state is not None:
+            num_docs = initial_state.shape[0]
+        elif ctx is not None:
+            num_docs = ctx._doc_count.shape[0]
+        elif cu_seqlens is not None:
+            num_docs = cu_seqlens.shape[0] - 1
+        else:
+            num_docs = packed_rows
+    o, _, ht = torch.ops.kda_kcp.fwd(q, k, v, g, beta, initial_state, None if ctx is None else ctx._graph_handle,
+                                     cu_seqlens, packed_rows, scale, deterministic,
+                                     None if workspace is None else workspace._graph_handle, values_requested(validate),
+                                     output_final_state, num_docs)
+    return (o, ht) if output_final_state else o

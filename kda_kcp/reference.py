@@ -4,8 +4,8 @@ This is the definition every other path is checked against (docs/design.md §1):
 
     S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t
 
-with S restarting at zero at every document start. It is written for clarity, not speed: one step per
-token, all heads at once. Gradients come from autograd through the loop.
+with S starting at zero (or at the document's initial state) at every document start. It is written for
+clarity, not speed: one step per token, all heads at once. Gradients come from autograd through the loop.
 """
 
 from __future__ import annotations
@@ -21,39 +21,48 @@ def _offsets(cu_seqlens) -> list[int]:
     return [int(x) for x in cu_seqlens]
 
 
-def naive_kda(q, k, v, g, beta, cu_seqlens, scale=None, dtype=torch.float64):
+def naive_kda(q, k, v, g, beta, cu_seqlens, scale=None, dtype=torch.float64, initial_state=None,
+              output_final_state=False):
     """Token-by-token KDA over packed documents.
 
-    q, k: [T, H, K]; v: [T, H, V]; g: [T, H, K] (log decay); beta: [T, H]; cu_seqlens: N + 1 offsets.
-    Returns o [T, H, V] in ``dtype`` (FP64 by default: the oracle). Differentiable.
+    q, k: [T, H, K]; v: [T, H, V]; g: [T, H, K] (log decay); beta: [T, H]; cu_seqlens: N + 1 offsets;
+    initial_state: [N, H, K, V] or None (zeros), the state each document starts from.
+    Returns o [T, H, V] in ``dtype`` (FP64 by default: the oracle), or (o, final_state [N, H, K, V]) with
+    ``output_final_state`` (an empty document's final state is its initial state). Differentiable.
     Documents advance side by side (step t moves token t of every document long enough), each with its
     own state; that changes nothing in the arithmetic of any one document.
     """
     cu = _offsets(cu_seqlens)
     T, H, K = q.shape
     V = v.shape[-1]
+    N = len(cu) - 1
     if scale is None:
         scale = K ** -0.5
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    docs = sorted(((e - s, s) for s, e in zip(cu[:-1], cu[1:]) if e > s), reverse=True)
+    h0 = q.new_zeros(N, H, K, V) if initial_state is None else initial_state.to(device=q.device, dtype=dtype)
+    docs = sorted(((e - s, s, d) for d, (s, e) in enumerate(zip(cu[:-1], cu[1:])) if e > s), reverse=True)
+    o = q.new_zeros(T, H, V)
     if not docs:
-        return q.new_zeros(T, H, V)
-    starts = torch.tensor([s for _, s in docs], device=q.device)
-    state = q.new_zeros(len(docs), H, K, V)
+        return (o, h0.clone()) if output_final_state else o
+    starts = torch.tensor([s for _, s, _ in docs], device=q.device)
+    ids = torch.tensor([d for _, _, d in docs], device=q.device)
+    state = h0.index_select(0, ids)  # one row per non-empty document, longest first
     outs, where = [], []
     for t in range(docs[0][0]):
-        n = sum(1 for length, _ in docs if length > t)  # documents still running: a prefix (sorted)
+        n = sum(1 for length, _, _ in docs if length > t)  # documents still running: a prefix (sorted)
         tok = starts[:n] + t
-        s_old = state[:n] * torch.exp(g[tok]).unsqueeze(-1)  # finished documents drop off the end
+        s_old = state[:n] * torch.exp(g[tok]).unsqueeze(-1)
         kt = k[tok]  # [n, H, K]
         # (I - beta k k^T) S + beta k v^T  ==  S + beta k (v - k^T S)^T
         pred = torch.einsum("nhk,nhkv->nhv", kt, s_old)
         s_new = s_old + (beta[tok].unsqueeze(-1) * kt).unsqueeze(-1) * (v[tok] - pred).unsqueeze(-2)
         outs.append(scale * torch.einsum("nhk,nhkv->nhv", q[tok], s_new))
         where.append(tok)
-        state = s_new
-    o = q.new_zeros(T, H, V)
-    return o.index_put((torch.cat(where),), torch.cat(outs, 0))
+        state = torch.cat([s_new, state[n:]], 0)  # finished documents keep their final state
+    o = o.index_put((torch.cat(where),), torch.cat(outs, 0))
+    if not output_final_state:
+        return o
+    return o, h0.index_put((ids,), state)
 
 
 def naive_merge(m, e, chains, init=None, dtype=torch.float64):

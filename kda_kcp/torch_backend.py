@@ -97,13 +97,13 @@ class TorchBackend:
 
     def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False):
         return _Prepared(
-            lambda ids: self.fwd_summaries(q, k, v, g, beta, scale, plan, ids),
+            lambda ids, arena=None: self.fwd_summaries(q, k, v, g, beta, scale, plan, ids),
             lambda state_in: self.fwd_output(q, k, v, g, beta, scale, plan, state_in),
         )
 
     def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None):
         return _Prepared(
-            lambda ids: self.bwd_summaries(q, k, v, g, beta, do, scale, plan, ids),
+            lambda ids, arena=None: self.bwd_summaries(q, k, v, g, beta, do, scale, plan, ids),
             lambda state_in, dstate_out: self.bwd_grads(q, k, v, g, beta, do, scale, plan, state_in, dstate_out),
         )
 

@@ -9,7 +9,8 @@ import torch
 
 from .exchange import collective_device
 
-__all__ = ["check_inputs", "check_grad_output", "check_scale", "check_flag", "values_requested", "check_values"]
+__all__ = ["check_inputs", "check_grad_output", "check_scale", "check_flag", "values_requested", "check_values",
+           "check_initial_state", "check_final_state_grad"]
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -133,3 +134,40 @@ def check_grad_output(do, q, v) -> None:
         raise ValueError(f"do is on {do.device} but the forward ran on {q.device}")
     if not do.dtype.is_floating_point:
         raise TypeError(f"do must be a floating tensor, got {do.dtype}")
+
+
+def check_initial_state(h0, num_docs: int, q, v, state_dtype: torch.dtype) -> None:
+    """``initial_state``: None, or [N, H, K, V] (N = the context's documents) on q's device, contiguous, float32;
+    float64 too when the call's states are FP64 (the torch backend with an FP64 input: ``state_dtype``)."""
+    if h0 is None:
+        return
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    want = [num_docs, H, K, V]
+    if not isinstance(h0, torch.Tensor):
+        raise TypeError(f"initial_state must be a torch.Tensor of shape [N, H, K, V] = {want} or None, "
+                        f"got {type(h0).__name__}")
+    if list(h0.shape) != want:
+        raise ValueError(f"initial_state must be [N, H, K, V] = {want} (N: the context's {num_docs} documents), "
+                         f"got {list(h0.shape)}")
+    if h0.dtype != torch.float32 and not (h0.dtype == torch.float64 == state_dtype):
+        also = " (or float64, as the call computes in FP64)" if state_dtype == torch.float64 else ""
+        raise TypeError(f"initial_state must be float32{also}, got {h0.dtype}")
+    if h0.device != q.device:
+        raise ValueError(f"initial_state is on {h0.device} but q is on {q.device}")
+    if not h0.is_contiguous():
+        raise ValueError(f"initial_state must be contiguous (call .contiguous() first); got strides {h0.stride()}")
+
+
+def check_final_state_grad(dht, num_docs: int, q, v) -> None:
+    """``dht``, the final states' gradient: None, or a floating [N, H, K, V] tensor on q's device."""
+    if dht is None:
+        return
+    want = [num_docs, q.shape[1], q.shape[2], v.shape[2]]
+    if not isinstance(dht, torch.Tensor):
+        raise TypeError(f"dht must be a torch.Tensor of shape {want} or None, got {type(dht).__name__}")
+    if list(dht.shape) != want:
+        raise ValueError(f"dht must have the final state's shape {want}, got {list(dht.shape)}")
+    if dht.device != q.device:
+        raise ValueError(f"dht is on {dht.device} but the forward ran on {q.device}")
+    if not dht.dtype.is_floating_point:
+        raise TypeError(f"dht must be a floating tensor, got {dht.dtype}")

@@ -103,22 +103,30 @@ def reverse_walk(
 
 
 def affine_merge(maps: torch.Tensor, offsets: torch.Tensor, sources, out: torch.Tensor,
-                 tmp: torch.Tensor | None = None) -> torch.Tensor:
+                 tmp: torch.Tensor | None = None, init: torch.Tensor | None = None, init_rows=None) -> torch.Tensor:
     """Fold published summaries into incoming states, in a fixed order.
 
     maps [W, slots, H, K, K] and offsets [W, slots, H, K, V] are the gathered summaries;
     ``sources[r]`` lists (rank, slot) to fold for local run r, oldest first:
     acc = 0; for each source: acc = maps @ acc + offsets. Writes out[r] (runs with no source keep zeros).
-    The backward uses the same fold with (M^T, F) and sources listed from the document end.
+    With ``init`` ([N, H, K, V], the documents' initial states) the fold of run r starts from
+    acc = init[init_rows[r]] instead (runs with no source get that row).
+    The backward uses the same fold with (M^T, F) and sources listed from the document end (and the final
+    states' gradients as ``init``).
     ``tmp`` ([H, K, V], optional) holds each product, so the fold allocates nothing.
     """
-    out.zero_()
+    if init is None:
+        out.zero_()
     for r, src in enumerate(sources):
-        if not src:
-            continue
         acc = out[r]
-        (w0, s0), rest = src[0], src[1:]
-        acc.copy_(offsets[w0, s0])
+        if init is not None:
+            acc.copy_(init[init_rows[r]])
+            rest = src
+        elif not src:
+            continue
+        else:
+            (w0, s0), rest = src[0], src[1:]
+            acc.copy_(offsets[w0, s0])
         if rest and tmp is None:
             tmp = torch.empty_like(acc)
         for w, s in rest:

@@ -28,9 +28,12 @@ def fp64_gate(g, A_log=None, dt_bias=None, lower_bound=None):
 
 def oracle_chunk_kda(q, k, v, g, beta, scale=None, cu_seqlens=None, use_qk_l2norm_in_kernel=False,
                      use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, cu_seqlens_cpu=None):
-    """o [B, T, HV, V] in FP64 for FLA's call on [B, T, H, K] tensors (differentiable through every input).
-    safe_gate (FLA's kernel choice for bounded gates) and cu_seqlens_cpu (a host copy) change no value."""
+                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, safe_gate=False, cu_seqlens_cpu=None,
+                     initial_state=None, output_final_state=False):
+    """o [B, T, HV, V] in FP64 for FLA's call on [B, T, H, K] tensors (differentiable through every input), and the
+    final states [N, HV, K, V] after it with ``output_final_state``; ``initial_state`` [N, HV, K, V] (N sequences:
+    len(cu_seqlens) - 1, else B). safe_gate (FLA's kernel choice for bounded gates) and cu_seqlens_cpu (a host copy)
+    change no value."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     q, k, v, g, beta = (x.to(F64) for x in (q, k, v, g, beta))
@@ -46,5 +49,8 @@ def oracle_chunk_kda(q, k, v, g, beta, scale=None, cu_seqlens=None, use_qk_l2nor
     def flat(x):
         return x.reshape(B * T, *x.shape[2:])
 
-    o = naive_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu, scale=scale)
-    return o.reshape(B, T, HV, -1)
+    out = naive_kda(flat(q), flat(k), flat(v), flat(g), flat(beta), cu, scale=scale, initial_state=initial_state,
+                    output_final_state=output_final_state)
+    if output_final_state:
+        return out[0].reshape(B, T, HV, -1), out[1]
+    return out.reshape(B, T, HV, -1)

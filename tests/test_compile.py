@@ -151,6 +151,7 @@ def fla_call(q, k, v, g, beta, A_log, cu_seqlens=None, cp_context=None):
 
 
 def fla_outputs_and_grads(fn, tensors, do, **kw):
+    """o of ``fn(*tensors, **kw)`` and the gradients of <o, do> to ``tensors``."""
     for t in tensors:
         t.grad = None
     o = fn(*tensors, **kw)
@@ -172,6 +173,71 @@ def test_chunk_kda_compiles_whole_and_equals_eager(packing):
                        fla_outputs_and_grads(fla_call, tensors, do, cu_seqlens=cu))
     assert graph_breaks() == 0
     assert graphs_compiled() == 1
+
+
+def states_call(q, k, v, g, beta, A_log, h0, w2, cu_seqlens=None, cp_context=None):
+    """FLA's call with an initial state and the final state out; o, and the final states' share of the loss."""
+    o, ht = kda_kcp.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                              use_gate_in_kernel=True, A_log=A_log, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True,
+                              cu_seqlens=cu_seqlens, cp_context=cp_context)
+    return o + (ht * w2).sum()
+
+
+@pytest.mark.parametrize("packing", ["rows", "cu_seqlens"])
+def test_chunk_kda_with_states_compiles_whole_and_equals_eager(packing):
+    compiled = fresh_compile(states_call, "aot_eager")
+    for step_offsets in ([0, 17, 100], [0, 64, 100]):  # new offsets of one shape: no recompile
+        tensors, do = fla_inputs(*((2, 50) if packing == "rows" else (1, 100)))
+        cu = None if packing == "rows" else torch.tensor(step_offsets)
+        gen = torch.Generator().manual_seed(len(step_offsets))
+        h0 = torch.randn(2, H, K, V, generator=gen).requires_grad_()
+        w2 = torch.randn(2, H, K, V, generator=gen)
+        kw = dict(cu_seqlens=cu)
+        assert_bitwise(fla_outputs_and_grads(compiled, [*tensors, h0], do, w2=w2, **kw),
+                       fla_outputs_and_grads(states_call, [*tensors, h0], do, w2=w2, **kw))
+    assert graph_breaks() == 0
+    assert graphs_compiled() == 1
+
+
+class StateMixer(Mixer):
+    """Mixer whose call takes an initial state and returns the final state (its share of the output's loss)."""
+
+    def mix(self, x, g, beta, ctx, h0=None, w2=None):
+        q = (x @ self.wq.t()).view(-1, H, K)
+        k = (x @ self.wk.t()).view(-1, H, K)
+        v = (x @ self.wv.t()).view(-1, H, V)
+        o, ht = kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, initial_state=h0, output_final_state=True)
+        return o + (ht * w2).sum()
+
+    def forward(self, x, g, beta, ctx, h0=None, w2=None):
+        if self.checkpointed:
+            return checkpoint(self.mix, x, g, beta, ctx, h0, w2, use_reentrant=False)
+        return self.mix(x, g, beta, ctx, h0, w2)
+
+
+@pytest.mark.parametrize("with_h0", [True, False], ids=["h0", "final_only"])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpoint"])
+def test_chunk_kda_kcp_with_states_compiles_whole_and_equals_eager(checkpointed, with_h0):
+    model = StateMixer(checkpointed=checkpointed)
+    compiled = fresh_compile(model, "aot_eager")
+    for lengths in ([30, 70], [5, 64, 31], [10, 20, 30, 40]):  # T = 100, the document count changes
+        ctx = kda_kcp.build_context_kcp(offsets(lengths))
+        x, g, beta, do = mixer_inputs(sum(lengths))
+        gen = torch.Generator().manual_seed(len(lengths))
+        h0 = torch.randn(len(lengths), H, K, V, generator=gen).requires_grad_() if with_h0 else None
+        w2 = torch.randn(len(lengths), H, K, V, generator=gen)
+        runs = []
+        for fn in (model, compiled):
+            leaves = [*model.parameters(), g, beta] + ([h0] if with_h0 else [])
+            for t in leaves:
+                t.grad = None
+            o = fn(x, g, beta, ctx, h0, w2)
+            o.backward(do)
+            runs.append([o.detach()] + [t.grad.clone() for t in leaves])
+        assert_bitwise(runs[1], runs[0])
+    assert graph_breaks() == 0
+    # the document count is a shape (h0's, or the context's): static in the first graph, dynamic from the second on
+    assert graphs_compiled() == 2
 
 
 def _compiled_equals_eager_on_each_rank(rank, world, lengths, backend):
@@ -196,6 +262,19 @@ def _compiled_equals_eager_on_each_rank(rank, world, lengths, backend):
 
     compiled = fresh_compile(fla_cp, "aot_eager")
     assert_bitwise(fla_outputs_and_grads(compiled, tensors, do), fla_outputs_and_grads(fla_cp, tensors, do))
+    assert graph_breaks() == 0
+
+    # with states: every rank's initial states in, its documents' final states out
+    gen = torch.Generator().manual_seed(7)
+    h0 = torch.randn(ctx.num_docs, H, K, V, generator=gen).requires_grad_()
+    w2 = torch.randn(ctx.num_docs, H, K, V, generator=gen)
+
+    def states_cp(q, k, v, g, beta, A_log, h0):
+        return states_call(q, k, v, g, beta, A_log, h0, w2, cp_context=ctx)
+
+    compiled = fresh_compile(states_cp, "aot_eager")
+    assert_bitwise(fla_outputs_and_grads(compiled, [*tensors, h0], do),
+                   fla_outputs_and_grads(states_cp, [*tensors, h0], do))
     assert graph_breaks() == 0
 
 

@@ -1,6 +1,7 @@
 """kda_kcp.chunk_kda, FLA 0.6.0's call: every supported option against the FP64 oracle (tests/fla_oracle.py),
 o and the gradients of every input (A_log and dt_bias included); every unsupported option raising ValueError
-that names it; output shapes and dtypes; the offsets it caches; W = 2 shards over gloo."""
+that names it; initial and final states; output shapes and dtypes; the offsets it caches; W = 2 shards over gloo
+(states included)."""
 
 from __future__ import annotations
 
@@ -137,8 +138,6 @@ def test_signature_matches_fla():
 
 
 UNSUPPORTED = [  # (id, keywords, what the message must name)
-    ("initial_state", dict(initial_state=torch.zeros(2, H, K, V)), "initial_state"),
-    ("output_final_state", dict(output_final_state=True), "output_final_state"),
     ("disable_recompute", dict(disable_recompute=True), "disable_recompute"),
     ("return_intermediate_states", dict(return_intermediate_states=True), "return_intermediate_states"),
     ("state_v_first", dict(state_v_first=True), "state_v_first"),
@@ -157,6 +156,44 @@ UNSUPPORTED = [  # (id, keywords, what the message must name)
     ("cu_seqlens_with_B_2", dict(cu_seqlens=torch.tensor([0, 10, 20])), "batch size must be 1"),
     ("cu_seqlens_cpu_alone", dict(cu_seqlens_cpu=torch.tensor([0, 20])), "cu_seqlens_cpu"),
 ]
+
+
+def run_with_states(tensors, do, h0, w2, fns=(kda_kcp.chunk_kda, oracle_chunk_kda), **opts):
+    """(ours, oracle) of FLA's call with an initial state and the final state out: o, ht and the gradients of
+    <o, do> + <ht, w2> to every tensor and to h0."""
+    out = []
+    for fn in fns:
+        leaves = {n: x.detach().clone().requires_grad_() for n, x in {**tensors, "h0": h0}.items()}
+        h = leaves.pop("h0")
+        o, ht = fn(**leaves, initial_state=h, output_final_state=True, **opts)
+        ((o * do.to(o.dtype)).sum() + (ht * w2).sum()).backward()
+        out.append({"o": o.detach(), "ht": ht.detach(), "h0": h.grad, **{n: x.grad for n, x in leaves.items()}})
+    return out
+
+
+@pytest.mark.parametrize("packing", ["rows", "cu_seqlens", "grouped_value_heads"])
+def test_states_match_oracle(packing):
+    """initial_state [N, HV, K, V] and output_final_state as FLA takes them: N = B for equal rows, N = len(cu_seqlens)
+    - 1 for packed documents (an empty one included), HV value heads with GVA; with the in-call activations."""
+    B, T, HV, cu = 2, 70, H, None
+    if packing == "cu_seqlens":
+        cu = offsets([30, 0, 70, 1, 39])
+        B, T = 1, cu[-1]
+    if packing == "grouped_value_heads":
+        HV = 2 * H
+    tensors, params, do = make_call_inputs(B, T, seed=13, HV=HV, raw_beta=True, raw_qk=True)
+    N = B if cu is None else len(cu) - 1
+    gen = torch.Generator().manual_seed(14)
+    h0, w2 = torch.randn(N, HV, K, V, generator=gen, dtype=F64), torch.randn(N, HV, K, V, generator=gen, dtype=F64)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if cu is not None:
+        opts["cu_seqlens"] = torch.tensor(cu)
+    ours, ref = run_with_states(tensors, do, h0, w2, **opts)
+    assert ours["ht"].shape == (N, HV, K, V)
+    for n in ref:
+        assert rel_rms(ours[n], ref[n]) < 1e-10, (packing, n)
+    with pytest.raises(ValueError, match=r"initial_state must be \[N, H, K, V\]"):
+        kda_kcp.chunk_kda(**tensors, **opts, initial_state=h0[:1])
 
 
 @pytest.mark.parametrize("kw, named", [u[1:] for u in UNSUPPORTED], ids=[u[0] for u in UNSUPPORTED])
@@ -252,6 +289,21 @@ def _shards_match_oracle(rank, world):
             total = x.grad.clone()
             dist.all_reduce(total)
             assert rel_rms(total, ref[n]) < 1e-10, (layout, n)
+    # states: every rank passes every document's initial state; its final states and initial-state gradient hold
+    # the documents that end (start) on it, so their sums over the ranks are the whole ones
+    gen = torch.Generator().manual_seed(15)
+    h0, w2 = torch.randn(len(cu) - 1, H, K, V, generator=gen, dtype=F64), torch.randn(len(cu) - 1, H, K, V,
+                                                                                         generator=gen, dtype=F64)
+    _, ref = run_with_states(tensors, do, h0, w2, **opts, cu_seqlens=torch.tensor(cu))
+    for layout in kda_kcp.LAYOUTS:
+        ctx = kda_kcp.build_context_kcp(torch.tensor(cu), dist.group.WORLD, layout)
+        local = {n: ctx.shard(x[0])[None] for n, x in tensors.items()}
+        (got,) = run_with_states(local, ctx.shard(do[0])[None], h0, w2, (kda_kcp.chunk_kda,), **opts, cp_context=ctx)
+        for n in ("ht", "h0"):
+            dist.all_reduce(got[n])
+            assert rel_rms(got[n], ref[n]) < 1e-10, (layout, n)
+        for n in ("o", *local):
+            assert rel_rms(gather_global(ctx, got[n][0]), ref[n][0]) < 1e-10, (layout, n)
 
 
 def test_cp_context_shards_over_gloo():

@@ -8,7 +8,8 @@ Checked: the backward's prep records, h and dh of the walks, their V_new and dV_
 segment summaries against the torch walks; the gradient kernel at 16 warps (the default) and 8 warps
 against the torch backward; and the whole CUDA path (kda_kcp.cuda's wrappers: plans, tables, segmented
 walks, folds, the workspace arena, the lean backward) with the emulated kernels standing for the loaded
-programs, against the FP64 oracle, at W = 1 and at W = 2 over gloo (every layout). About nine minutes on two cores."""
+programs, against the FP64 oracle, at W = 1 and at W = 2 over gloo (every layout), with and without initial and
+final states. About ten minutes on two cores."""
 
 from __future__ import annotations
 
@@ -717,3 +718,75 @@ def test_kcp_on_the_emulated_kernels(emu):
     """W = 2 over gloo on the CPU: kda_kcp.cuda's KCP path (forward summaries composed, backward summaries,
     the two exchanges, states handed across ranks) with the emulated kernels, all three layouts."""
     run_distributed(_emulated_kcp, 2, emu._name)
+
+
+def _states_oracle(cu, inputs, do, h0, dht):
+    """FP64 o, final states and the gradients of <o, do> + <ht, dht> to q, k, v, g, beta and h0."""
+    leaves = [x.detach().double().requires_grad_() for x in (*inputs, h0)]
+    o64, ht64 = naive_kda(*leaves[:5], cu, scale=SCALE, initial_state=leaves[5], output_final_state=True)
+    return [o64.detach(), ht64.detach(), *torch.autograd.grad((o64, ht64), leaves, (do.double(), dht.double()))]
+
+
+def _check_states_vs_oracle(got, ref, where):
+    """o and the gradients as _check_vs_oracle; the final states within o's bound, the initial state's gradient
+    within dq's (both are FP32 state products of the same walks)."""
+    o, ht, *grads, dh0 = got
+    ref_o, ref_ht, *ref_grads, ref_dh0 = ref
+    _check_vs_oracle((o, *grads), (ref_o, *ref_grads), where)
+    for name, x, r, tol in (("ht", ht, ref_ht, 4e-3), ("dh0", dh0, ref_dh0, TOL["dq"])):
+        err = _rel(x, r)
+        print(f"emulated CUDA path {where} {name}: vs FP64 {err:.2e}")
+        assert x.dtype == torch.float32 and torch.isfinite(x).all() and err <= tol, (where, name, err)
+
+
+def _state_case(cu, seed):
+    _, inputs, do, _, _ = _case(cu, 1, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    N = len(cu) - 1
+    return inputs, do, torch.randn(N, 1, 128, 128, generator=gen), torch.randn(N, 1, 128, 128, generator=gen)
+
+
+def test_states_on_the_emulated_kernels(emu, monkeypatch):
+    """W = 1 with initial and final states through kda_kcp.cuda (segmented walks, the forward and backward summaries
+    of the runs that end and start a document, an empty document) with a workspace of the queried size, against the
+    FP64 oracle; the lean backward gives the same bits, dh0 included."""
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    cu = [0, 70, 70, 300]
+    inputs, do, h0, dht = _state_case(cu, 21)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu))
+    ws = kda_kcp.WorkspaceKcp.from_buffer(
+        torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, 1), dtype=torch.uint8), True, "replay", None)
+    before = h0.clone()
+    o, ht, saved = function.forward_kcp(*inputs, ctx, None, True, ws, None, h0, True)
+    grads = function.backward_kcp(do, saved, ctx, ws, dht)
+    assert torch.equal(h0, before)
+    _check_states_vs_oracle((o, ht, *grads), _states_oracle(cu, inputs, do, h0, dht), "W=1 states")
+    lean = kda_kcp.WorkspaceKcp.from_buffer(
+        torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, 1, local_arena="lean", lean_passes=2), dtype=torch.uint8),
+        True, "lean", 2)
+    for x, r in zip(function.backward_kcp(do, saved, ctx, lean, dht), grads):
+        assert torch.equal(x, r), "the lean backward differs from the replay one"
+
+
+def _emulated_kcp_states(rank, world, lib_path):
+    """One rank of a W = 2 KCP step with states through kda_kcp.cuda with the emulated kernels, every layout (with
+    the early output pass asked for: the runs that start a document then start from their initial states
+    instead), against the FP64 oracle: o and the input gradients gathered, ht and dh0 summed over the ranks."""
+    _use_emulated_programs(ctypes.CDLL(lib_path), setattr, os.environ.__setitem__)
+    os.environ["KDA_KCP_FWD_EARLY"] = "1"
+    cu = [0, 70, 300]
+    inputs, do, h0, dht = _state_case(cu, 22)
+    ref = _states_oracle(cu, inputs, do, h0, dht)
+    for layout in kda_kcp.LAYOUTS:
+        ctx = kda_kcp.build_context_kcp(torch.tensor(cu), dist.group.WORLD, layout)
+        local = [ctx.shard(x) for x in inputs]
+        o, ht, saved = function.forward_kcp(*local, ctx, None, True, None, None, h0, True)
+        *grads, dh0 = function.backward_kcp(ctx.shard(do), saved, ctx, None, dht)
+        dist.all_reduce(ht)
+        dist.all_reduce(dh0)
+        got = [gather_global(ctx, o.float()), ht, *[gather_global(ctx, x.float()) for x in grads], dh0]
+        _check_states_vs_oracle(got, ref, f"W={world} {layout} states")
+
+
+def test_kcp_states_on_the_emulated_kernels(emu):
+    run_distributed(_emulated_kcp_states, 2, emu._name)

@@ -744,9 +744,10 @@ class PreparedBackward:
                 self.mod.bwd_prep(q, k, v, g, beta, chunks, self.prep, self.scale, self.word)
         self.e0 = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes: no carve moves)
 
-    def summaries(self, run_ids):
-        """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F."""
-        H, arena = self.H, self.arena
+    def summaries(self, run_ids, arena=None):
+        """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F; scratch from ``arena``
+        (None: the call's)."""
+        H, arena = self.H, self.arena if arena is None else arena
         run_ids = tuple(int(r) for r in run_ids)
         Mt = arena.empty((len(run_ids), H, _D, _D), torch.float32)
         F = arena.empty((len(run_ids), H, _D, _D), torch.float32)

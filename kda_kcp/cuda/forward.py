@@ -381,9 +381,10 @@ class PreparedForward:
             self.groups = None
             self._prep(((0, self.tabs.num_chunks),))
 
-    def summaries(self, run_ids):
-        """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E)."""
-        H, arena = self.H, self.arena
+    def summaries(self, run_ids, arena=None):
+        """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E); scratch
+        from ``arena`` (None: the call's)."""
+        H, arena = self.H, self.arena if arena is None else arena
         run_ids = tuple(int(r) for r in run_ids)
         self._prep_rest()
         M = arena.empty(_state_shape(len(run_ids), H), torch.float32)
