@@ -68,7 +68,8 @@ def _build(out: Path, defines: tuple[str, ...] = ()) -> Path:
         units[-1].write_text(_emulated((ROOT / "csrc" / f"{name}.cu").read_text()))
     lib = out / "libkda_emu.so"
     subprocess.run(["g++", "-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", f"-I{inc}", f"-I{ROOT / 'csrc'}",
-                    *os.environ.get("KDA_EMU_DEFINES", "").split(),  # e.g. -DKDA_BWD_SPLIT=80: a variant's build
+                    # an experiment's compile-time variant, as scripts/build_prebuilt.py --define builds it
+                    *os.environ.get("KDA_EMU_DEFINES", "").split(),
                     *defines,
                     "-x", "c++", *map(str, units), str(EMU / "driver.cpp"), "-o", str(lib)], check=True)
     return lib
@@ -205,8 +206,7 @@ def test_records_walks_and_summaries(emu):
 
     mine = {"W": field(0, 16384, torch.bfloat16, (64, 128)), "Kg": field(16384, 16384, torch.bfloat16, (64, 128)),
             "U": cb.record_u(rec), "gamma": field(131072, 512, torch.float32, (128,)),
-            # A hi (its lo is written only for a gradient kernel that reads it: KDA_BWD_SPLIT bit 2, kda_bwd.h);
-            # the upper blocks are not written (still the 0xFF poison)
+            # A hi (the record holds no lo: kda_bwd.h); the upper blocks are not written (still the 0xFF poison)
             "A": field(65536, 8192, torch.bfloat16, (64, 64)).where(cb.record_lower_blocks(), 0.0)}
     ref = {"W": W, "Kg": Kg, "U": U, "gamma": gamma, "A": A}
     for name in mine:

@@ -81,7 +81,7 @@ def test_stages_match_torch_stages():
         "Kg": field(16384, 16384, torch.bfloat16, (64, 128)),
         "sQg": field(32768, 16384, torch.bfloat16, (64, 128)),
         "Aqk": field(49152, 8192, torch.bfloat16, (64, 64)) + field(57344, 8192, torch.bfloat16, (64, 64)),
-        "A": field(65536, 8192, torch.bfloat16, (64, 64)),  # hi: A lo only with KDA_BWD_SPLIT bit 2 (kda_bwd.h)
+        "A": field(65536, 8192, torch.bfloat16, (64, 64)),  # hi only (kda_bwd.h)
         "U": cb.record_u(rec),
         "P": field(114688, 16384, torch.float32, (64, 64)),
         "gamma": field(131072, 512, torch.float32, (128,)),
