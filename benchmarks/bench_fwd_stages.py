@@ -42,10 +42,11 @@ def simulate(heads, L, sms=132, warps=4):
     pass, in output steps: a sharper estimate than the closed form the segment choice uses."""
     import heapq
 
-    from kda_kcp.cuda import forward
+    from kda_kcp.cuda import tuning
+    from kda_kcp.cuda.common import even_split
 
     chunks = [math.ceil(n / 64) for n in DOCS]
-    slots = forward.CTAS_PER_SM * sms
+    slots = tuning.CTAS_PER_SM * sms
     tiles = 128 // (16 * warps)
 
     def run(jobs):
@@ -59,18 +60,18 @@ def simulate(heads, L, sms=132, warps=4):
 
     out, summ, steps = [], [], 0
     for c in chunks:
-        parts = forward._split(c, max(1, math.ceil(c / L)))
-        out += [p + forward.CTA_START for p in parts] * heads * tiles
-        summ += [(p + forward.CTA_START) * forward.SUMMARY_STEP for p in parts[:-1]] * heads * 2 * tiles
+        parts = even_split(c, max(1, math.ceil(c / L)))
+        out += [p + tuning.CTA_START for p in parts] * heads * tiles
+        summ += [(p + tuning.CTA_START) * tuning.SUMMARY_STEP for p in parts[:-1]] * heads * 2 * tiles
         steps = max(steps, len(parts) - 1)
-    return run(summ) + forward.MERGE_STEP * steps + run(out)
+    return run(summ) + tuning.MERGE_STEP * steps + run(out)
 
 
 def model(heads, sms=132, warps=4):
-    from kda_kcp.cuda.forward import choose_segment_chunks
+    from kda_kcp.cuda.tuning import fwd_segment_chunks
 
     chunks = [math.ceil(n / 64) for n in DOCS]
-    L = choose_segment_chunks(chunks, heads, sms, warps)
+    L = fwd_segment_chunks(chunks, heads, sms, warps)
     steps = simulate(heads, L, sms, warps)
     th = sum(DOCS) * heads
     prep_mem = th * PREP_BYTES / BW * 1e3
@@ -116,24 +117,21 @@ def time_visit(fn, iters, buf):
 
 
 class WarpsEnv:
-    """KDA_KCP_FWD_WARPS = w (and KDA_KCP_SEG_CHUNKS = seg when seg > 0) inside the block."""
+    """KDA_KCP_TUNING="fwd_warps=w" (and fwd_seg_chunks=seg when seg > 0) inside the block (kda_kcp.cuda.tuning)."""
 
     def __init__(self, w, seg=0):
-        self.vals = {"KDA_KCP_FWD_WARPS": str(w) if w is not None else None,
-                     "KDA_KCP_SEG_CHUNKS": str(seg) if seg else None}
+        knobs = ([f"fwd_warps={w}"] if w is not None else []) + ([f"fwd_seg_chunks={seg}"] if seg else [])
+        self.val = ",".join(knobs)
 
     def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.vals}
-        for k, val in self.vals.items():
-            if val is not None:
-                os.environ[k] = val
+        self.old = os.environ.get("KDA_KCP_TUNING")
+        os.environ["KDA_KCP_TUNING"] = self.val
 
     def __exit__(self, *exc):
-        for k, old in self.old.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
+        if self.old is None:
+            os.environ.pop("KDA_KCP_TUNING", None)
+        else:
+            os.environ["KDA_KCP_TUNING"] = self.old
 
 
 def main():

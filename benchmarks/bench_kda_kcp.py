@@ -669,6 +669,7 @@ class Bench:
             "kda_kcp": getattr(kda_kcp, "__version__", "?"),
             "kda_kcp_backend": backend,
             "KDA_KCP_BACKEND": os.environ.get("KDA_KCP_BACKEND", ""),
+            "KDA_KCP_TUNING": os.environ.get("KDA_KCP_TUNING", ""),  # forced tuning choices (kda_kcp/cuda/tuning.py)
             "fla": self.fla_version or self.fla_reason,
             "fla_optional_modules": fla_extras(),
             "docs": a.doc_lengths,

@@ -235,38 +235,11 @@ struct RowBlocks {
   }
 };
 
-// Which operands of the gradient kernel are carried as bf16 hi + lo (three products) instead of hi only:
-// bit 0 S in dQg and dW; bit 1 V_new, dV_new; bit 2 A; bit 3 dW, K o e^G, dA, A^T dA, dP, s dAqk;
-// bit 4 the anchored pairwise operands (Cc sections, K and Q row operands); bit 6 dS_next in dKg;
-// bit 7 dV_new in dV_new v^T and A^T dV_new (dA, dv, dbeta) when bit 1 is off.
-// (Bit 5 was S in V_new = U - W S, formed here before the walks stored V_new, always split there.)
-// Default 90 (bits 1, 3, 4, 6), chosen on the CPU emulation against the FP64 oracle and the torch backend
-// (docs/kernels.md §5): dropping bits 1, 3 or 4 raised dq/dk by ~40 % or dg ten-fold (past 1e-2),
-// dropping bit 6 tripled dk/dv errors with incoming state gradients; bits 0, 2, 5 cost nothing visible.
-// Measured on the H200: 88 (bit 1 off) makes this kernel 6 % faster but W = 2 over NCCL then
-// disagrees with W = 1 by 2.3e-3 on dbeta (bound 2e-3) and the errors against FP64 rise to 2.4e-3 (benchmark
-// slice; FLA 3.0-3.3e-3); 216 (88 with bit 7) is that trade with dv and dbeta kept split.
-#ifndef KDA_BWD_SPLIT
-#define KDA_BWD_SPLIT 90
-#endif
-constexpr bool kSS = (KDA_BWD_SPLIT >> 0) & 1;
-constexpr bool kSV = (KDA_BWD_SPLIT >> 1) & 1;
-constexpr bool kSA = (KDA_BWD_SPLIT >> 2) & 1;
-constexpr bool kSD = (KDA_BWD_SPLIT >> 3) & 1;
-constexpr bool kSP = (KDA_BWD_SPLIT >> 4) & 1;
-constexpr bool kSM = (KDA_BWD_SPLIT >> 6) & 1;  // bit 6: dS_next in dKg
-constexpr bool kSVB = kSV || ((KDA_BWD_SPLIT >> 7) & 1);  // dV_new in dV_new v^T and A^T dV_new
-
-// The launch order of the prep and the gradient kernel: chunk-major (default: the H heads of a chunk side by side,
-// so CTAs that run at once read neighbouring bytes of the same token rows and the prep writes neighbouring records,
-// c H + h; the forward prep's order too) or head-major (0: a head's chunks in turn). Measured on the
-// H200 (H = 16): the prep 4.65 -> 4.34 ms (ncu), bwd -0.31 ms; the gradient kernel unchanged.
-#ifndef KDA_BWD_CHUNK_MAJOR
-#define KDA_BWD_CHUNK_MAJOR 1
-#endif
-constexpr bool kBwdChunkMajor = KDA_BWD_CHUNK_MAJOR != 0;
+// The prep and the gradient kernel launch chunk-major (the H heads of a chunk side by side): CTAs that run at once
+// read neighbouring bytes of the same token rows and the prep writes neighbouring records, c H + h (the forward prep's
+// order too; head-major measured slower, docs/kernels.md).
 inline dim3 prep_grid(int nchunks, int H) {  // chunk_prep::own_chunk_head's order
-  return kBwdChunkMajor ? dim3(static_cast<unsigned>(nchunks) * H) : dim3(nchunks, H);
+  return dim3(static_cast<unsigned>(nchunks) * H);
 }
 
 // ================================================================================================
@@ -274,14 +247,11 @@ inline dim3 prep_grid(int nchunks, int H) {  // chunk_prep::own_chunk_head's ord
 // ================================================================================================
 struct BwdRecord {
   static constexpr bool kBwd = true;
-  static constexpr bool kChunkMajor = kBwdChunkMajor;  // the launch order (kBwdChunkMajor, above)
   static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + kRecGam); }
   static __device__ __forceinline__ bf16* qg(char* rec) { return reinterpret_cast<bf16*>(rec + kRecQg); }
   static __device__ __forceinline__ bf16* kg(char* rec) { return reinterpret_cast<bf16*>(rec + kRecKg); }
   static __device__ __forceinline__ float* p(char* rec) { return reinterpret_cast<float*>(rec + kRecP); }
   static __device__ __forceinline__ bf16* a_hi(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAH); }
-  static __device__ __forceinline__ bf16* a_lo(char* rec) { return reinterpret_cast<bf16*>(rec + kRecAL); }
-  static constexpr bool kALo = kSA;  // A lo only where the gradient kernel reads it
   // U pair (i, j), (i, j + 1), j even, already scaled: fp16 at row i, value half j / 64 (kda_bwd.h kRecU)
   static __device__ __forceinline__ void u(char* rec, int i, int j, float x0, float x1) {
     *reinterpret_cast<uint32_t*>(rec + kRecU + kURowBytes * i + 256 * (j >> 6) + 2 * (j & 63)) = pack_f16(x0, x1);
@@ -312,7 +282,7 @@ struct BwdRecord {
 __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   const chunk_prep::Inputs in{a.q, a.k, a.v, a.g, a.beta, a.chunks, a.H, a.scale, a.status};
-  const int2 at = chunk_prep::own_chunk_head<BwdRecord>(a.H);
+  const int2 at = chunk_prep::own_chunk_head(a.H);
   char* rec = a.prep + (static_cast<int64_t>(at.x) * a.H + at.y) * kPrepBytes;
   chunk_prep::prep_chunk<BwdRecord>(in, rec, smem, at.x, at.y);
 }
@@ -455,7 +425,7 @@ __device__ __forceinline__ void mul64_wgmma(float (&acc)[8][4], const float (&ST
   for (int ks = 0; ks < 8; ++ks) {
     const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;  // the 64-key half, then 32 bytes per 16 keys
     wgmma_n64_rs(acc, sh[ks], db + k);
-    if constexpr (kWalkSLo) wgmma_n64_rs(acc, sl[ks], db + k);
+    wgmma_n64_rs(acc, sl[ks], db + k);
   }
   wgmma_commit();
   post();
@@ -467,30 +437,28 @@ __device__ __forceinline__ void mul64_wgmma(float (&acc)[8][4], const float (&ST
 
 // ST += V^T B (hi + lo of V^T, four 16-token steps) by wgmma, after the products `pre` issues into the same
 // commit group: B = Kg or W of a stage, bf16 [64 tokens][128 keys] as swh, read MN-major (rows = K = tokens, the two
-// 64-key halves of N 8192 bytes apart). V^T's lo enters unless KDA_WALK_HI_ONLY or KDA_WALK_VN_HI_ONLY (as in the
-// mma.sync path's state_tile_rank16). A registers that `pre` reads stay the caller's to fence after; `post` as in
-// mul64_wgmma.
+// 64-key halves of N 8192 bytes apart), as the mma.sync path's state_tile_rank16 does. A registers that `pre` reads
+// stay the caller's to fence after; `post` as in mul64_wgmma.
 template <class Pre, class Post = NoWork>
 __device__ __forceinline__ void rank64_wgmma(float (&ST)[16][4], uint32_t (&vh)[4][4], uint32_t (&vl)[4][4],
                                              const bf16* B, Pre&& pre, Post&& post = Post{}) {
-  constexpr bool LO = !KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY;
   fence_frags(ST);
   fence_frags(vh);
-  if constexpr (LO) fence_frags(vl);
+  fence_frags(vl);
   wgmma_fence();  // ST (scaled by gamma) and V^T were written by ordinary instructions
   pre();
   const uint64_t db = sw128_desc(B, 8192);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
     wgmma_n128_rs_mn(ST, vh[ks], db + ks * (2048 >> 4));
-    if constexpr (LO) wgmma_n128_rs_mn(ST, vl[ks], db + ks * (2048 >> 4));
+    wgmma_n128_rs_mn(ST, vl[ks], db + ks * (2048 >> 4));
   }
   wgmma_commit();
   post();
   wgmma_wait0();
   fence_frags(ST);
   fence_frags(vh);
-  if constexpr (LO) fence_frags(vl);
+  fence_frags(vl);
 }
 
 // (The stage loads re-read the thread index: their per-thread offsets are then recomputed at each step instead of
@@ -785,6 +753,12 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
 // ================================================================================================
 // chunk gradients
 // ================================================================================================
+// Precision (docs/kernels.md §5): the products take V_new and dV_new, the phase-B operands (dW, K o e^G, dA, A^T dA,
+// dP, s dAqk), the anchored pairwise operands (the Cc sections, the K and Q row operands) and dS in dKg as bf16 hi + lo
+// pairs (three products: wgemm's and wg_gemm's SA / SB), S and A as hi only (one). Chosen on the CPU emulation against
+// FP64 (each pair dropped raised dq / dk by ~40 %, dg tenfold or dk / dv threefold; pairs of S and A changed nothing
+// visible) and on the H200 (V_new / dV_new hi only is 6 % faster, but W = 2 and W = 1 then differ by 2.3e-3 on dbeta,
+// past its 2e-3 bound).
 // Shared memory map (bytes): phase-B tiles lie over phase-A tiles that are dead by then. G, q and k sit over
 // half 0's V_new / dV_new tiles and a gap that phase A leaves free, where they could land while half 1
 // computes; requested there, the request code cost ptxas ~80 bytes of spill and the time it saved.
@@ -793,8 +767,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
 constexpr int A_DO = 0;       // dO, bf16 swh [64][128] (the two value halves are wgmma's K-major A tiles)
 constexpr int A_V = 49152;    // v, swh
 constexpr int A_SH = 65536;   // S^T hi, dS^T hi / lo of the value half: bf16 swh [64][128] (h holds no lo of S)
-constexpr int A_AH = 81920;   // A hi / lo, sw64, kept through phase B3
-constexpr int A_AL = 90112;
+constexpr int A_AH = 81920;   // A hi, sw64, kept through phase B3 (the 8 KiB after it unused)
 constexpr int A_DH = 98304;
 constexpr int A_DL = 114688;
 constexpr int A_DGP = 196608; // fp32 [NT][8] dgamma partials (phase A)
@@ -871,8 +844,8 @@ struct GradsTiling {
 
 
 // The walks' V_new^T and dV_new^T of value half z (fp16 times the walk warp's 2^e, record slots kRecVn / kRecDvn in the
-// walks' fragment order, kda_bwd.h) -> the sw64 tiles a_vn(z, .) [value column 64][token 64] as bf16 hi (+ lo where
-// split: kSV, kSVB), in two steps: load_walk_tiles requests the fp16 pieces by cp.async into the lo tiles' places
+// walks' fragment order, kda_bwd.h) -> the sw64 tiles a_vn(z, .) [value column 64][token 64] as bf16 hi + lo, in
+// two steps: load_walk_tiles requests the fp16 pieces by cp.async into the lo tiles' places
 // (a 16-byte piece of unit row R holds lanes 4 g4 .. 4 g4 + 3, i.e. 8 consecutive tokens of one column; piece p = tid
 // + NT k sits at the same place in every tile, so a thread's offsets are computed once for the half's tiles), and
 // once they have landed, convert_walk_tiles turns each thread's own pieces (visible to it after its wait, no barrier)
@@ -911,7 +884,7 @@ __device__ __forceinline__ void convert_walk_tiles(char* smem, int z, int tid, c
   for (int k = 0; k < kWalkPieces<NT>; ++k) {
     int R;
     const int so = walk_piece_at<NT>(k, tid, R);
-    auto put = [&](float inv, int hi_tile, int lo_tile, bool split) {
+    auto put = [&](float inv, int hi_tile, int lo_tile) {
       const uint4 x = *reinterpret_cast<const uint4*>(smem + a_vn(z, lo_tile) + so);
       const uint32_t v[4] = {x.x, x.y, x.z, x.w};
       uint32_t hi[4], lo[4];
@@ -919,10 +892,10 @@ __device__ __forceinline__ void convert_walk_tiles(char* smem, int z, int tid, c
 #pragma unroll
       for (int e = 0; e < 4; ++e) f16x2_split(v[e], inv, hi[e], lo[e], t);
       *reinterpret_cast<uint4*>(smem + a_vn(z, hi_tile) + so) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-      if (split) *reinterpret_cast<uint4*>(smem + a_vn(z, lo_tile) + so) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+      *reinterpret_cast<uint4*>(smem + a_vn(z, lo_tile) + so) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     };
-    put(winv[0][k], kVNH, kVNL, kSV);
-    put(winv[1][k], kDVH, kDVL, kSVB);
+    put(winv[0][k], kVNH, kVNL);
+    put(winv[1][k], kDVH, kDVL);
   }
 }
 
@@ -931,7 +904,6 @@ __device__ __forceinline__ void convert_walk_tiles(char* smem, int z, int tid, c
 // tiles into winv: a 16-byte piece holds 8 adjacent keys of one value column, and its S o dS products go into the
 // thread's dgamma partials of those keys. Every piece a thread moves has key block nt = (tid / 16) % 16: its 8 partials
 // (summed over both halves) stay in shared memory at `mine` (registers are short during the products that follow).
-static_assert(!kSS, "h holds S as hi only: the products take S hi (KDA_BWD_SPLIT bit 0 off)");
 template <int NT>
 __device__ __forceinline__ void stage_states(char* smem, const char* S, const char* dS, const char* rec, int z, int tid,
                                              float* mine, float (&winv)[2][kWalkPieces<NT>]) {
@@ -1029,8 +1001,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // (chunk-major: grid (H, chunks in pieces of kMaxGridY, pieces), so that c and h stay cheap to re-read; every CTA
   // has a chunk: launch_grads_nw)
-  const int c = kBwdChunkMajor ? blockIdx.y + kMaxGridY * blockIdx.z : blockIdx.x;
-  const int h = kBwdChunkMajor ? blockIdx.x : blockIdx.y, H = a.H;
+  const int c = blockIdx.y + kMaxGridY * blockIdx.z;
+  const int h = blockIdx.x, H = a.H;
   const int64_t tok = a.chunks[2 * c];
   const int nrows = a.chunks[2 * c + 1];
   const int64_t gs = static_cast<int64_t>(H) * D;
@@ -1056,7 +1028,6 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   load_bf16_swh<NT>(B16(A_V), static_cast<const bf16*>(a.v) + base, gs, nrows, tid);
   load_walk_tiles<NT>(smem, rec, 0, tid);
   load_lower_bf16<NT>(B16(A_AH), reinterpret_cast<const bf16*>(rec + kRecAH), tid);
-  if (kSA) load_lower_bf16<NT>(B16(A_AL), reinterpret_cast<const bf16*>(rec + kRecAL), tid);
   cp_async_commit();
   load_walk_tiles<NT>(smem, rec, 1, tid);  // a group of its own: half 0 waits for the first group only
   cp_async_commit();
@@ -1106,15 +1077,15 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       fence_acc(P), fence_acc(Q);
       wgmma_fence();
       if (wg == 0) {
-        wg_gemm<16, 4, false, false, true, kSS>(P, dOz, nullptr, B16(A_SH), nullptr);
-        wg_gemm<8, 4, true, kSA, false, kSVB>(Q, B16(A_AH), B16(A_AL), dvh, dvl);
+        wg_gemm<16, 4, false, false, true, false>(P, dOz, nullptr, B16(A_SH), nullptr);
+        wg_gemm<8, 4, true, false, false, true>(Q, B16(A_AH), nullptr, dvh, dvl);
       } else if (wg == 1) {
-        wg_gemm<16, 4, true, kSV, true, kSS>(P, dvh, dvl, B16(A_SH), nullptr);
+        wg_gemm<16, 4, true, true, true, false>(P, dvh, dvl, B16(A_SH), nullptr);
       } else if (wg == 2) {
-        wg_gemm<16, 4, true, kSV, true, kSM>(P, vnh, vnl, B16(A_DH), B16(A_DL));
+        wg_gemm<16, 4, true, true, true, true>(P, vnh, vnl, B16(A_DH), B16(A_DL));
       } else {
-        wg_gemm<8, 4, false, false, true, kSV>(P0, dOz, nullptr, vnh, vnl);
-        wg_gemm<8, 4, true, kSVB, false, false>(P1, dvh, dvl, vz, nullptr);
+        wg_gemm<8, 4, false, false, true, true>(P0, dOz, nullptr, vnh, vnl);
+        wg_gemm<8, 4, true, true, false, false>(P1, dvh, dvl, vz, nullptr);
       }
       wgmma_commit();
       wgmma_wait0();
@@ -1159,23 +1130,23 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         const int g = thread_index() >> 7, n128 = (128 / CG) * g, n64 = (64 / CG) * g;  // formed here, not held
         fence_acc(dQg), fence_acc(dW), fence_acc(dKg), fence_acc(dAqk), fence_acc(dAU), fence_acc(acc);
         wgmma_fence();
-        wg_gemm<NT128, 4, false, false, true, kSS>(dQg, dOz, nullptr, swh_col(B16(A_SH), n128), nullptr);
-        wg_gemm<NT128, 4, true, kSV, true, kSS>(dW, dvh, dvl, swh_col(B16(A_SH), n128), nullptr);
-        wg_gemm<NT128, 4, true, kSV, true, kSM>(dKg, vnh, vnl, swh_col(B16(A_DH), n128), swh_col(B16(A_DL), n128));
-        wg_gemm<NT64, 4, false, false, true, kSV>(dAqk, dOz, nullptr, vnh + n64, vnl + n64);
-        wg_gemm<NT64, 4, true, kSVB, false, false>(dAU, dvh, dvl, vz + 64 * n64, nullptr);
-        wg_gemm<NT64, 4, true, kSA, false, kSVB>(acc, B16(A_AH), B16(A_AL), dvh + 64 * n64, dvl + 64 * n64);
+        wg_gemm<NT128, 4, false, false, true, false>(dQg, dOz, nullptr, swh_col(B16(A_SH), n128), nullptr);
+        wg_gemm<NT128, 4, true, true, true, false>(dW, dvh, dvl, swh_col(B16(A_SH), n128), nullptr);
+        wg_gemm<NT128, 4, true, true, true, true>(dKg, vnh, vnl, swh_col(B16(A_DH), n128), swh_col(B16(A_DL), n128));
+        wg_gemm<NT64, 4, false, false, true, true>(dAqk, dOz, nullptr, vnh + n64, vnl + n64);
+        wg_gemm<NT64, 4, true, true, false, false>(dAU, dvh, dvl, vz + 64 * n64, nullptr);
+        wg_gemm<NT64, 4, true, false, false, true>(acc, B16(A_AH), nullptr, dvh + 64 * n64, dvl + 64 * n64);
         wgmma_commit();
         wgmma_wait0();
         fence_acc(dQg), fence_acc(dW), fence_acc(dKg), fence_acc(dAqk), fence_acc(dAU), fence_acc(acc);
       } else {
         constexpr int S = kRowsSwh;
-        wgemm<1, NT128, S, false, false, S, true, kSS>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), nullptr, n128, 0, 64, lane);
-        wgemm<1, NT128, 64, true, kSV, S, true, kSS>(dW, dvh, dvl, m0, 0, B16(A_SH), nullptr, n128, 0, 64, lane);
-        wgemm<1, NT128, 64, true, kSV, S, true, kSM>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
-        wgemm<1, NT64, S, false, false, 64, true, kSV>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
-        wgemm<1, NT64, 64, true, kSVB, S, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
-        wgemm<1, NT64, 64, true, kSA, 64, false, kSVB>(acc, B16(A_AH), B16(A_AL), m0, m0, dvh, dvl, n64, m0, C - m0, lane);
+        wgemm<1, NT128, S, false, false, S, true, false>(dQg, B16(A_DO), nullptr, m0, voff, B16(A_SH), nullptr, n128, 0, 64, lane);
+        wgemm<1, NT128, 64, true, true, S, true, false>(dW, dvh, dvl, m0, 0, B16(A_SH), nullptr, n128, 0, 64, lane);
+        wgemm<1, NT128, 64, true, true, S, true, true>(dKg, vnh, vnl, m0, 0, B16(A_DH), B16(A_DL), n128, 0, 64, lane);
+        wgemm<1, NT64, S, false, false, 64, true, true>(dAqk, B16(A_DO), nullptr, m0, voff, vnh, vnl, n64, 0, 64, lane);
+        wgemm<1, NT64, 64, true, true, S, false, false>(dAU, dvh, dvl, m0, 0, B16(A_V), nullptr, n64, voff, 64, lane);
+        wgemm<1, NT64, 64, true, false, 64, false, true>(acc, B16(A_AH), nullptr, m0, m0, dvh, dvl, n64, m0, C - m0, lane);
       }
       {
         float rs[2] = {0.f, 0.f};
@@ -1323,15 +1294,15 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       const int g = thread_index() >> 7, n128 = (128 / CG) * g, n64 = (64 / CG) * g;
       fence_acc(dAU), fence_acc(acc);
       wgmma_fence();
-      wg_gemm<NT64, 8, false, kSD, false, kSD>(dAU, B16(B_DWH), B16(B_DWL), B16(B_XH) + 64 * n64, B16(B_XL) + 64 * n64);
-      wg_gemm<NT128, 4, true, kSA, true, kSD>(acc, B16(A_AH), B16(A_AL), swh_col(B16(B_DWH), n128), swh_col(B16(B_DWL), n128));
+      wg_gemm<NT64, 8, false, true, false, true>(dAU, B16(B_DWH), B16(B_DWL), B16(B_XH) + 64 * n64, B16(B_XL) + 64 * n64);
+      wg_gemm<NT128, 4, true, false, true, true>(acc, B16(A_AH), nullptr, swh_col(B16(B_DWH), n128), swh_col(B16(B_DWL), n128));
       wgmma_commit();
       wgmma_wait0();
       fence_acc(dAU), fence_acc(acc);
     } else {
       constexpr int S = kRowsSwh;
-      wgemm<1, NT64, S, false, kSD, S, false, kSD>(dAU, B16(B_DWH), B16(B_DWL), m0, 0, B16(B_XH), B16(B_XL), n64, 0, D, lane);
-      wgemm<1, NT128, 64, true, kSA, S, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DWH), B16(B_DWL), n128, m0,
+      wgemm<1, NT64, S, false, true, S, false, true>(dAU, B16(B_DWH), B16(B_DWL), m0, 0, B16(B_XH), B16(B_XL), n64, 0, D, lane);
+      wgemm<1, NT128, 64, true, false, S, true, true>(acc, B16(A_AH), nullptr, m0, m0, B16(B_DWH), B16(B_DWL), n128, m0,
                                                  C - m0, lane);
     }
     epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
@@ -1371,12 +1342,12 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       const int n64 = (64 / CG) * (thread_index() >> 7);
       fence_acc(acc);
       wgmma_fence();
-      wg_gemm<NT64, 4, true, kSA, true, kSD>(acc, B16(A_AH), B16(A_AL), B16(B_DAH) + n64, B16(B_DAL) + n64);
+      wg_gemm<NT64, 4, true, false, true, true>(acc, B16(A_AH), nullptr, B16(B_DAH) + n64, B16(B_DAL) + n64);
       wgmma_commit();
       wgmma_wait0();
       fence_acc(acc);
     } else {
-      wgemm<1, NT64, 64, true, kSA, 64, true, kSD>(acc, B16(A_AH), B16(A_AL), m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
+      wgemm<1, NT64, 64, true, false, 64, true, true>(acc, B16(A_AH), nullptr, m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
                                                   C - m0, lane);
     }
     epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(B_T1H), B16(B_T1L), r, cc, x0, x1); });
@@ -1388,12 +1359,12 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       const int n64 = (64 / CG) * (thread_index() >> 7);
       fence_acc(acc);
       wgmma_fence();
-      wg_gemm<NT64, 4, false, kSD, false, kSA>(acc, B16(B_T1H), B16(B_T1L), B16(A_AH) + 64 * n64, B16(A_AL) + 64 * n64);
+      wg_gemm<NT64, 4, false, true, false, false>(acc, B16(B_T1H), B16(B_T1L), B16(A_AH) + 64 * n64, nullptr);
       wgmma_commit();
       wgmma_wait0();
       fence_acc(acc);
     } else {
-      wgemm<1, NT64, 64, false, kSD, 64, false, kSA>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), B16(A_AL), n64, 0, C, lane);
+      wgemm<1, NT64, 64, false, true, 64, false, false>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), nullptr, n64, 0, C, lane);
     }
     float rs[2] = {0.f, 0.f};
     epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
@@ -1468,13 +1439,13 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       fence_acc(P);
       wgmma_fence();
       if (wg == 0) {
-        wg_gemm<16, 4, false, kSD, true, kSP>(P, B16(B_SDAH), B16(B_SDAL), B16(O_CCH), B16(O_CCL));
+        wg_gemm<16, 4, false, true, true, true>(P, B16(B_SDAH), B16(B_SDAL), B16(O_CCH), B16(O_CCL));
       } else if (wg == 1) {
-        wg_gemm<16, 4, false, kSD, true, kSP>(P, B16(B_DPH), B16(B_DPL), B16(O_CCH), B16(O_CCL));
+        wg_gemm<16, 4, false, true, true, true>(P, B16(B_DPH), B16(B_DPL), B16(O_CCH), B16(O_CCL));
       } else {
         const int n0 = 64 * (wg - 2);
-        wg_gemm<8, 4, true, kSD, true, kSP>(P0, B16(B_DPH), B16(B_DPL), swh_col(B16(O_KRH), n0), swh_col(B16(O_KRL), n0));
-        wg_gemm<8, 4, true, kSD, true, kSP>(P0, B16(B_SDAH), B16(B_SDAL), swh_col(B16(O_QRH), n0), swh_col(B16(O_QRL), n0));
+        wg_gemm<8, 4, true, true, true, true>(P0, B16(B_DPH), B16(B_DPL), swh_col(B16(O_KRH), n0), swh_col(B16(O_KRL), n0));
+        wg_gemm<8, 4, true, true, true, true>(P0, B16(B_SDAH), B16(B_SDAL), swh_col(B16(O_QRH), n0), swh_col(B16(O_QRL), n0));
       }
       wgmma_commit();
       wgmma_wait0();
@@ -1501,7 +1472,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         take(i);
       } else {
         zero(acc);
-        wgemm<1, NT128, 64, false, kSD, kRowsSwh, true, kSP>(acc, xh, xl, m0, 0, B16(O_CCH), B16(O_CCL), n128, 0, m0 + 16, lane);
+        wgemm<1, NT128, 64, false, true, kRowsSwh, true, true>(acc, xh, xl, m0, 0, B16(O_CCH), B16(O_CCL), n128, 0, m0 + 16, lane);
       }
     };
     rows(0, B16(B_SDAH), B16(B_SDAL));
@@ -1514,8 +1485,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     } else {
       zero(acc);
       constexpr int S = kRowsSwh;
-      wgemm<1, NT128, 64, true, kSD, S, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, m0, B16(O_KRH), B16(O_KRL), n128, m0, C - m0, lane);
-      wgemm<1, NT128, 64, true, kSD, S, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, m0, B16(O_QRH), B16(O_QRL), n128, m0, C - m0, lane);
+      wgemm<1, NT128, 64, true, true, S, true, true>(acc, B16(B_DPH), B16(B_DPL), m0, m0, B16(O_KRH), B16(O_KRL), n128, m0, C - m0, lane);
+      wgemm<1, NT128, 64, true, true, S, true, true>(acc, B16(B_SDAH), B16(B_SDAL), m0, m0, B16(O_QRH), B16(O_QRL), n128, m0, C - m0, lane);
       __syncthreads();  // B5's dG tile lies over K o e^(G - G_63)
     }
 #pragma unroll
@@ -1550,11 +1521,11 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       const bf16* ccl = B16(B_CCL) + cc_sec(I) * D;
       float acc[1][NT128][4];
       zero(acc);
-      wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
+      wgemm<1, NT128, 64, false, true, 128, true, true>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
       add_pairwise_rows(acc, 16 * I, dQg, B16(B_Q));
       store_dq();
       zero(acc);
-      wgemm<1, NT128, 64, false, kSD, 128, true, kSP>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
+      wgemm<1, NT128, 64, false, true, 128, true, true>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
       add_pairwise_rows(acc, 16 * I, dKg, B16(B_K));
     }
     __syncthreads();
@@ -1574,9 +1545,9 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     auto cols_block = [&](int mr, int I, auto&& f) {
       float part[1][NT128][4];
       zero(part);
-      wgemm<1, NT128, 64, true, kSD, 128, true, kSP>(part, B16(B_DPH), B16(B_DPL), mr, 16 * I, B16(B_KRH), B16(B_KRL), n128,
+      wgemm<1, NT128, 64, true, true, 128, true, true>(part, B16(B_DPH), B16(B_DPL), mr, 16 * I, B16(B_KRH), B16(B_KRL), n128,
                                                    16 * I, 16, lane);
-      wgemm<1, NT128, 64, true, kSD, 128, true, kSP>(part, B16(B_SDAH), B16(B_SDAL), mr, 16 * I, B16(B_QRH), B16(B_QRL),
+      wgemm<1, NT128, 64, true, true, 128, true, true>(part, B16(B_SDAH), B16(B_SDAL), mr, 16 * I, B16(B_QRH), B16(B_QRL),
                                                    n128, 16 * I, 16, lane);
 #pragma unroll
       for (int ni = 0; ni < NT128; ++ni)
@@ -1675,7 +1646,6 @@ cudaError_t launch_walk_nw(const Args& a, cudaStream_t s) {
 template <int NW>
 cudaError_t launch_grads_nw(const Args& a, cudaStream_t s) {
   using T = GradsTiling<NW>;
-  if (!kBwdChunkMajor) return launch(grads_kernel<NW>, dim3(a.nchunks, a.H), T::NTH, T::SMEM, a, s);
   const int whole = a.nchunks / kMaxGridY, rest = a.nchunks % kMaxGridY;
   if (whole > 0) {
     const cudaError_t err = launch(grads_kernel<NW>, dim3(a.H, kMaxGridY, whole), T::NTH, T::SMEM, a, s);

@@ -24,9 +24,8 @@ constexpr int kRecKg = 16384;     // bf16 [64][128]  Kg = K o exp(G_last - G)
 constexpr int kRecQg = 32768;     // bf16 [64][128]  s Q o exp(G)
 constexpr int kRecAqkH = 49152;   // bf16 [64][64]   Aqk (scaled, causal) hi
 constexpr int kRecAqkL = 57344;   // bf16 [64][64]   Aqk lo
-constexpr int kRecAH = 65536;     // bf16 [64][64]   A = (I + L)^-1 hi
-constexpr int kRecAL = 73728;     // bf16 [64][64]   A lo: written only when the gradient kernel reads it
-                                  // (KDA_BWD_SPLIT bit 2, off by default: A hi alone is then the record's A)
+constexpr int kRecAH = 65536;     // bf16 [64][64]   A = (I + L)^-1 hi; the 8 KiB after it unused (A is read as hi
+                                  // only: its lo changed no gradient visibly)
 constexpr int kRecU = 81920;      // fp16 U = A diag(beta) V times 2^-e (kURowBytes below); the forward walk
                                   // then writes V_new over it (kRecVn: U is read by no later kernel)
 constexpr int kRecP = 114688;     // fp32 [64][64]   P (strictly lower part)
@@ -68,8 +67,8 @@ constexpr int kDhStateBytes = 32768 + 128;
 constexpr int kDhHalfBytes = 16384;
 constexpr int kDhScaleOff = 32768;
 // h holds S as bf16 hi only, the same order without the lo words (32 KiB per chunk-head): at byte 16384 z +
-// 128 (2 (16 w + nt) + eh) the 32 lanes' hi words. The gradient kernel's products take S as hi only
-// (KDA_BWD_SPLIT bit 0 off) and dgamma takes S hi x dS; dS enters as hi + lo of its fp16 value (bit 6: dKg needs it).
+// 128 (2 (16 w + nt) + eh) the 32 lanes' hi words. The gradient kernel's products take S as hi only and dgamma
+// takes S hi x dS; dS enters as hi + lo of its fp16 value (dKg needs it).
 constexpr int kHiStateBytes = 32768;
 constexpr int kHiHalfBytes = 16384;
 

@@ -295,41 +295,26 @@ struct Inputs {
 // A prep CTA's (chunk, head) from its place in launch order (linear block index b). The forward's prep is chunk-major
 // (a 1-D grid, every head of a chunk before the next chunk: CTAs that run at once read neighbouring token rows and
 // write neighbouring records; H200, ncu, H = 16: the four groups' preps 1.59 / 1.32 / 1.04 / 0.76 -> 1.56 / 1.29 /
-// 1.02 / 0.75 ms against head-major); the backward's is too by default (kda_bwd.cu KDA_BWD_CHUNK_MAJOR; 0 makes it
-// head-major: blockIdx.x = chunk, blockIdx.y = head). 32-bit arithmetic: the bindings check chunks x heads < 2^31.
-template <class Rec>
-__device__ __forceinline__ unsigned launch_index() {
-  if constexpr (Rec::kChunkMajor) return blockIdx.x;
-  else return blockIdx.y * gridDim.x + blockIdx.x;
-}
+// 1.02 / 0.75 ms against head-major), and so is the backward's (kda_bwd.cu prep_grid). 32-bit arithmetic: the
+// bindings check chunks x heads < 2^31.
+__device__ __forceinline__ unsigned launch_index() { return blockIdx.x; }
 __device__ __forceinline__ unsigned launch_count() { return gridDim.x * gridDim.y; }
-template <class Rec>
 __device__ __forceinline__ int2 chunk_head(unsigned b, int H) {
-  if constexpr (Rec::kChunkMajor) {
-    const unsigned c = b / static_cast<unsigned>(H);
-    return make_int2(static_cast<int>(c), static_cast<int>(b - c * H));
-  } else {
-    const unsigned h = b / gridDim.x;
-    return make_int2(static_cast<int>(b - h * gridDim.x), static_cast<int>(h));
-  }
+  const unsigned c = b / static_cast<unsigned>(H);
+  return make_int2(static_cast<int>(c), static_cast<int>(b - c * H));
 }
-// the same for this CTA (head-major: straight from the grid)
-template <class Rec>
-__device__ __forceinline__ int2 own_chunk_head(int H) {
-  if constexpr (Rec::kChunkMajor) return chunk_head<Rec>(blockIdx.x, H);
-  else return make_int2(static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y));
-}
+// the same for this CTA
+__device__ __forceinline__ int2 own_chunk_head(int H) { return chunk_head(blockIdx.x, H); }
 
 // Pull into L2 the g, k and q rows of the CTA about one wave later in launch order (linear block index + 2 x SMs:
 // two prep CTAs fit an SM), so that its loads at its start hit L2. Called before W, a few microseconds before that
 // CTA starts: pulling a whole CTA lifetime early loses to evictions; this one measured
 // fwd prep 5.1 -> 4.7 ms at H = 16. A hint only: a wrong guess costs bandwidth, never correctness.
-template <class Rec>
 __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
   static_assert(NT == 256, "each thread takes line tid % 8 of rows tid / 8 and tid / 8 + 32");
-  const unsigned b = launch_index<Rec>() + 2 * sm_count();
+  const unsigned b = launch_index() + 2 * sm_count();
   if (b >= launch_count()) return;
-  const int2 at = chunk_head<Rec>(b, a.H);
+  const int2 at = chunk_head(b, a.H);
   const int ci = at.x, h = at.y;
   const int64_t tok = a.chunks[2 * ci];
   const int nrows = a.chunks[2 * ci + 1];
@@ -451,7 +436,6 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
 
 // The prep of chunk ci, head h (chunk_head of the CTA) into `rec`. Rec (static members):
 //   kBwd                                       the backward's record (P, A, U; L from K_r x Cc hi + lo)
-//   kChunkMajor                                the launch order (chunk_head)
 //   gamma(rec)                                 fp32 [128] exp(G_63)
 //   aqk(rec, I, J, r, c, hi, lo)               Aqk pair (r, c), (r, c + 1) of lower block (I, J), bf16 hi + lo;
 //                                              the forward's: aqk(rec, I, J, r, c, x), one fp16 pair
@@ -459,8 +443,8 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
 // forward only (its walk's operands are fp16, kda_fwd.cu):
 //               qg_kg_piece(rec, p, qg, kg)   16-byte piece p of the staged sw128 Qg, Kg tiles (fp16)
 //               ab(rec, I, J, r, c, x)        A diag(beta) pair of lower block (I, J), fp16
-// backward only: qg(rec), kg(rec) (bf16 [64][128]), p(rec) (fp32 [64][64]), a_hi(rec), a_lo(rec)
-//               (bf16 [64][64]; a_lo written when kALo), u(rec, i, j, x0, x1) (a U pair, scaled, as fp16) and
+// backward only: qg(rec), kg(rec) (bf16 [64][128]), p(rec) (fp32 [64][64]), a_hi(rec) (bf16 [64][64]),
+//               u(rec, i, j, x0, x1) (a U pair, scaled, as fp16) and
 //               u_scale(rec, max |U|, store) (the scale for u, its inverse stored when `store`); P, Aqk and A in
 //               their lower 16 x 16 blocks only (kda_bwd.h)
 template <class Rec>
@@ -582,10 +566,8 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     if constexpr (Rec::kBwd) {
       const float a0 = (j <= i) ? sA[i * LDL + j] : 0.f, a1 = (j + 1 <= i) ? sA[i * LDL + j + 1] : 0.f;
       split2(a0, a1, hi, lo);
-      if ((j >> 4) <= (i >> 4)) {  // the lower blocks only (kda_bwd.h); A lo only where the gradient kernel reads it
+      if ((j >> 4) <= (i >> 4))  // the lower blocks only (kda_bwd.h); A as hi only (the gradient kernel's A)
         *reinterpret_cast<uint32_t*>(Rec::a_hi(rec) + i * C + j) = hi;
-        if constexpr (Rec::kALo) *reinterpret_cast<uint32_t*>(Rec::a_lo(rec) + i * C + j) = lo;
-      }
       x0 = a0 * sBeta[j];
       x1 = a1 * sBeta[j + 1];
     } else {
@@ -603,7 +585,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   if constexpr (Rec::kBwd) cp_async_wait_all();
   __syncthreads();
 
-  prefetch_successor<Rec>(a, tid);
+  prefetch_successor(a, tid);
   // ---- W = A diag(beta) X (and the backward's U = A diag(beta) V). Warp: row blocks {mp, 3 - mp},
   //      columns 32 nq .. ----
   const int mp = warp & 1, nq = warp >> 1;

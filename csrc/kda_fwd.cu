@@ -19,29 +19,18 @@
 // is narrow (6e-5 .. 65504), so each warp scales its operands S, V, V_new by a power of two that follows the
 // largest |v| and |S_in| it has seen (walk_kernel below): any scale of v works (tests: v times 2^-20 gives o times
 // 2^-20 bit for bit). Two roundings feed back into the state at every step and accumulate along a run, S's in
-// V_new = U - W S and V_new's in the update; V_new enters the update as fp16 hi + lo (two products), which halves
-// the disagreement between segmentations of a run for little time. Two compile-time knobs for A/Bs (H200):
-//   KDA_FWD_VN_LO = 0: V_new hi only in the update: fwd -0.1 to -0.6 ms, but segmentations of one run then
-//                      disagree by 1.0e-3 (bound 1e-3; 5.0e-4 with the lo half);
-//   KDA_FWD_S_LO = 1:  S as hi + lo in V_new = U - W S too: segmentations agree to 1e-4, fwd +0.3 to +1 ms.
+// V_new = U - W S and V_new's in the update. V_new enters the update as fp16 hi + lo (two products): hi only is
+// 0.1-0.6 ms faster, but segmentations of one run then disagree by 1.0e-3 (bound 1e-3; 5.0e-4 with the lo half). S
+// enters V_new = U - W S as fp16 hi only: hi + lo makes segmentations agree to 1e-4 but costs 0.3-1 ms (H200).
 #include "kda_chunk_prep.cuh"
 #include "kda_common.cuh"
 #include "kda_fwd.h"
 #include "kda_state_tile.cuh"
 #include "kda_tile_copy.cuh"
 
-#ifndef KDA_FWD_VN_LO
-#define KDA_FWD_VN_LO 1
-#endif
-#ifndef KDA_FWD_S_LO
-#define KDA_FWD_S_LO 0
-#endif
-
 namespace kda {
 
 namespace {
-
-constexpr bool kVnLo = KDA_FWD_VN_LO, kSLo = KDA_FWD_S_LO;
 
 constexpr int C = 64;    // chunk rows
 constexpr int D = 128;   // head dim
@@ -89,7 +78,6 @@ __device__ __forceinline__ void st_u32(char* base, int elem, uint32_t x) {
 
 struct FwdRecord {
   static constexpr bool kBwd = false;
-  static constexpr bool kChunkMajor = true;  // 1-D grid, every head of a chunk before the next (chunk_prep::chunk_head)
   static __device__ __forceinline__ float* gamma(char* rec) { return reinterpret_cast<float*>(rec + R_GAM); }
   static __device__ __forceinline__ void aqk(char* rec, int I, int J, int r, int c, uint32_t x) {
     st_u32(rec + R_AQK, tri_off(tri_blk(I, J), r, c), x);
@@ -115,7 +103,7 @@ constexpr int PREP_SMEM = chunk_prep::SMEM;
 __global__ void __launch_bounds__(PT, 2) prep_kernel(const PrepArgs a) {
   extern __shared__ __align__(128) char smem[];
   const chunk_prep::Inputs in{a.q, a.k, nullptr, a.g, a.beta, a.chunks, a.H, a.scale, a.status};
-  const int2 at = chunk_prep::own_chunk_head<FwdRecord>(a.H);
+  const int2 at = chunk_prep::own_chunk_head(a.H);
   char* rec = static_cast<char*>(a.ws) + (static_cast<int64_t>(at.x) * a.H + at.y) * kFwdRecordBytes;
   chunk_prep::prep_chunk<FwdRecord>(in, rec, smem, at.x, at.y);
 }
@@ -351,12 +339,9 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     float O[8][4];
     zero_frags(O);
     if constexpr (Cfg::WGMMA) {
-      uint32_t sa[8][4], sl[8][4];
+      uint32_t sa[8][4];
 #pragma unroll
-      for (int ks = 0; ks < 8; ++ks) {
-        if constexpr (kSLo) split_afrag<true>(ST[2 * ks], ST[2 * ks + 1], sa[ks], sl[ks]);
-        else afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa[ks]);
-      }
+      for (int ks = 0; ks < 8; ++ks) afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa[ks]);
       fence_frags(VN);
       fence_frags(O);
       wgmma_fence();  // VN (U) and the A registers were written by ordinary instructions
@@ -365,7 +350,6 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       for (int ks = 0; ks < 8; ++ks) {
         const uint64_t k = (ks >> 2) * (8192 >> 4) + (ks & 3) * 2;  // half, then 32 bytes per 16 keys
         wgmma_n64_rs<true>(VN, sa[ks], dw + k);
-        if constexpr (kSLo) wgmma_n64_rs<true>(VN, sl[ks], dw + k);
         if constexpr (OUT) wgmma_n64_rs<true>(O, sa[ks], dq + k);
       }
       wgmma_commit();
@@ -373,20 +357,17 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
       fence_frags(VN);
       fence_frags(O);
       fence_frags(sa);
-      if constexpr (kSLo) fence_frags(sl);
     } else {
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) {
-        uint32_t sa[4], sl[4];
-        if constexpr (kSLo) split_afrag<true>(ST[2 * ks], ST[2 * ks + 1], sa, sl);
-        else afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa);
+        uint32_t sa[4];
+        afrag_f16(ST[2 * ks], ST[2 * ks + 1], sa);
         const int hk = (ks >> 2) * 4096, k0 = (ks & 3) * 16;  // the 64-key half and the step inside it
 #pragma unroll
         for (int np = 0; np < 4; ++np) {
           uint32_t bw[4];
           ldb<64>(bw, sW + hk, k0, np * 16, lane);
           mma_n16<true>(VN[2 * np], VN[2 * np + 1], sa, bw);
-          if constexpr (kSLo) mma_n16<true>(VN[2 * np], VN[2 * np + 1], sl, bw);
           if constexpr (OUT) {
             uint32_t bq[4];
             ldb<64>(bq, sQg + hk, k0, np * 16, lane);
@@ -405,10 +386,7 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     // V_new^T as A operands, k = tokens (va; vl its lo half, for the state update)
     uint32_t va[4][4], vl[4][4];
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if constexpr (kVnLo) split_afrag<true>(VN[2 * ks], VN[2 * ks + 1], va[ks], vl[ks]);
-      else afrag_f16(VN[2 * ks], VN[2 * ks + 1], va[ks]);
-    }
+    for (int ks = 0; ks < 4; ++ks) split_afrag<true>(VN[2 * ks], VN[2 * ks + 1], va[ks], vl[ks]);
     if constexpr (OUT) {
       // O^T += V_new^T Aqk^T (lower blocks only)
 #pragma unroll
@@ -455,22 +433,22 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
     if constexpr (Cfg::WGMMA) {
       fence_frags(ST);
       fence_frags(va);
-      if constexpr (kVnLo) fence_frags(vl);
+      fence_frags(vl);
       wgmma_fence();  // ST (scaled by gamma) and V_new^T were written by ordinary instructions
       const uint64_t dk = sw128_desc(sKg, 8192);  // MN-major: the 64-key halves 8192 bytes apart
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         wgmma_n128_rs_mn<true>(ST, va[ks], dk + ks * (2048 >> 4));
-        if constexpr (kVnLo) wgmma_n128_rs_mn<true>(ST, vl[ks], dk + ks * (2048 >> 4));
+        wgmma_n128_rs_mn<true>(ST, vl[ks], dk + ks * (2048 >> 4));
       }
       wgmma_commit();
       wgmma_wait0();
       fence_frags(ST);
       fence_frags(va);
-      if constexpr (kVnLo) fence_frags(vl);
+      fence_frags(vl);
     } else {
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) state_tile_rank16<true, true, kVnLo>(ST, va[ks], vl[ks], sKg, ks, lane);
+      for (int ks = 0; ks < 4; ++ks) state_tile_rank16<true, true>(ST, va[ks], vl[ks], sKg, ks, lane);
     }
     cur = next;
   }

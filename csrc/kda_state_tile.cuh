@@ -13,22 +13,9 @@ namespace kda {
 
 constexpr int kStateDim = 128;  // K = V = head dim
 
-// Variants for A/Bs, not the default (docs/kernels.md, rejected ideas): the backward's walks carry S (in V_new = U - W S)
-// and V_new (in the rank-16 update S += V_new^T Kg) as bf16 hi + lo, two tensor-core products each. (The forward's
-// walk takes fp16 operands, with its own knobs in kda_fwd.cu; these measurements are of its bf16
-// form.)
-//   KDA_WALK_HI_ONLY = 1: both as hi only. On the H200: fwd -7 %, bwd -2 %, o vs FP64 2.4e-3 ->
-//                         2.9e-3, but segmentations and KCP pieces then disagree by 1.7-2.9e-3 (bound 1e-3).
-//   KDA_WALK_VN_HI_ONLY = 1: V_new (dV_new in the reverse walk) as hi only in the rank-16 update, S kept
-//                         hi + lo (not run on a GPU).
-#ifndef KDA_WALK_HI_ONLY
-#define KDA_WALK_HI_ONLY 0
-#endif
-#ifndef KDA_WALK_VN_HI_ONLY
-#define KDA_WALK_VN_HI_ONLY 0
-#endif
-constexpr bool kWalkSLo = !KDA_WALK_HI_ONLY;  // S lo enters V_new, O (dV_new)
-// (the V_new test is spelled out in state_tile_rank16: one more constexpr here changes the default's PTX)
+// The backward's walks carry S (in V_new = U - W S) and V_new (in the rank-16 update S += V_new^T Kg) as bf16
+// hi + lo, two tensor-core products each: with hi only, segmentations of one run and KCP pieces disagree by
+// 1.7-2.9e-3 (bound 1e-3; docs/kernels.md §4). (The forward's walk takes fp16 operands: kda_fwd.cu.)
 
 // ST from src (fp32 [K][V], null: zero) when FROM_SRC, else the columns of the identity when `identity`
 // (summary from a zero state: the M part starts as I, the offset part as 0).
@@ -62,9 +49,8 @@ __device__ __forceinline__ void state_tile_store(float* dst, const float (&ST)[1
 }
 
 // ST += V^T B for one 16-token step ks: V^T the A operand (hi + lo), B bf16 stored [token][key], sw128 rows
-// (HALVES: two 64-key halves of sw64 rows, swh). F16: V^T and B fp16 (the forward walk's operands). LO: the lo
-// half enters too.
-template <bool HALVES = false, bool F16 = false, bool LO = !KDA_WALK_HI_ONLY && !KDA_WALK_VN_HI_ONLY, class T>
+// (HALVES: two 64-key halves of sw64 rows, swh). F16: V^T and B fp16 (the forward walk's operands).
+template <bool HALVES = false, bool F16 = false, class T>
 __device__ __forceinline__ void state_tile_rank16(float (&ST)[16][4], const uint32_t (&vh)[4], const uint32_t (&vl)[4],
                                                   const T* B, int ks, int lane) {
 #pragma unroll
@@ -74,10 +60,8 @@ __device__ __forceinline__ void state_tile_rank16(float (&ST)[16][4], const uint
     else ldb_t<128>(b, B, ks * 16, np * 16, lane);
     mma<F16>(ST[2 * np], vh, b[0], b[1]);
     mma<F16>(ST[2 * np + 1], vh, b[2], b[3]);
-    if constexpr (LO) {  // V_new lo enters the rank-16 update
-      mma<F16>(ST[2 * np], vl, b[0], b[1]);
-      mma<F16>(ST[2 * np + 1], vl, b[2], b[3]);
-    }
+    mma<F16>(ST[2 * np], vl, b[0], b[1]);
+    mma<F16>(ST[2 * np + 1], vl, b[2], b[3]);
   }
 }
 
@@ -96,7 +80,7 @@ __device__ __forceinline__ void state_tile_mul(float (&acc)[8][4], const float (
       uint32_t b[4];
       ldb<128>(b, B, ks * 16, np * 16, lane);
       mma_n16(acc[2 * np], acc[2 * np + 1], sh, b);
-      if constexpr (kWalkSLo) mma_n16(acc[2 * np], acc[2 * np + 1], sl, b);
+      mma_n16(acc[2 * np], acc[2 * np + 1], sl, b);
     }
   }
 }

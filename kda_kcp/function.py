@@ -270,7 +270,7 @@ class ForwardCall:
         if plan.needs_exchange:
             self.prepared = self.backend.fwd_prepare(q, k, v, g, beta, scale, local, self.arena)  # records, once
             # the runs whose document starts here need no incoming state (unless it is an initial state): their
-            # output pass can run beside the exchange (KDA_KCP_FWD_EARLY; not in a checkpoint's recomputation,
+            # output pass can run beside the exchange (tuning.fwd_early; not in a checkpoint's recomputation,
             # which never asks for o)
             early = None
             if walk_early is None:

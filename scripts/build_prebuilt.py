@@ -2,7 +2,8 @@
 """Build every program of build.json for the given archs into kda_kcp/prebuilt/<arch>/ (or --out DIR).
 
 Needs nvcc (and ninja) but no GPU:  python scripts/build_prebuilt.py --arch sm_90a sm_100a sm_103a
-A compile-time variant for an A/B (gpu_session.sh PREBUILT=...):  ... --out DIR --define NAME=VALUE
+An experiment's compile-time variant for an A/B (scripts/ab_builds.sh, gpu_session.sh PREBUILT=...):
+  ... --out DIR --define NAME=VALUE
 Each program carries its build identity (kda_kcp/jit.py): kda_kcp uses a prebuilt one only while it is of the
 checkout's sources and flags (and package version), so rebuild after changing them.
 """
@@ -25,7 +26,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="output root (default: kda_kcp/prebuilt)")
     ap.add_argument("--program", nargs="*", default=None, help="only these programs")
     ap.add_argument("--define", nargs="*", default=(), metavar="NAME=VALUE",
-                    help="extra macros, for an A/B of a compile-time variant (e.g. KDA_WALK_HI_ONLY=1, KDA_WALK_VN_HI_ONLY=1)")
+                    help="extra macros: an experiment's compile-time variant for an A/B (scripts/ab_builds.sh)")
     args = ap.parse_args()
     out_root = Path(args.out) if args.out else Path(jit.__file__).resolve().parent / "prebuilt"
     progs = [p["name"] for p in jit.manifest()["programs"]]

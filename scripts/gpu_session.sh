@@ -11,8 +11,9 @@
 #   nccl       tests/gpu/test_kcp_nccl.py (W = 2 over NCCL, or W = $KDA_KCP_TEST_WORLD; needs that many GPUs)
 #   bench1     benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS (ops $OPS, arms det nd control fla)
 #   bench2     benchmarks/bench_kda_kcp.py --world ${WORLD2:-2} --heads $HEADS2 (all layouts, arms + fla_cp)
-#   ab         the backward's det arm at H in $HEADS under each value of $AB_VAR in $AB_VALUES (default: the
-#              gradient kernel's warps, KDA_KCP_BWD_GRADS_WARPS = 8 16), no FLA, no oracle
+#   ab         the backward's det arm at H in $HEADS under each KDA_KCP_TUNING value in $AB_TUNING (forced
+#              tuning choices, kda_kcp/cuda/tuning.py; default: the gradient kernel's warps, "bwd_grads_warps=8
+#              bwd_grads_warps=16"), no FLA, no oracle
 #   ncu        Nsight Compute on one call of each v4 forward and backward kernel at H = 16 (or each H in $NCU_HEADS)
 #   ncu_src    Nsight Compute, every section and per-instruction stall samples, on the kernels in $NCU_KERNELS
 #              (names joined by |), summed per phase by scripts/profiling/stall_regions.py
@@ -104,11 +105,13 @@ for st in "$@"; do
         ${BENCH2_ARGS:-} --json "$OUT/bench_w2.json" --plot "$OUT/bench_w2.png" > "$OUT/bench_w2.log" 2>&1
       add "bench2 rc=$?"; tail -60 "$OUT/bench_w2.log";;
     ab)
-      for v in ${AB_VALUES:-8 16}; do
-        env "${AB_VAR:-KDA_KCP_BWD_GRADS_WARPS}=$v" timeout $(tl 20) python3 benchmarks/bench_kda_kcp.py \
+      i=0
+      for v in ${AB_TUNING:-bwd_grads_warps=8 bwd_grads_warps=16}; do
+        i=$((i + 1))
+        KDA_KCP_TUNING="$v" timeout $(tl 20) python3 benchmarks/bench_kda_kcp.py \
           --world 1 --heads $HEADS --ops ${AB_OPS:-bwd} --arms det --groups 2 --iters 5 --no-oracle \
-          --json "$OUT/ab_$v.json" > "$OUT/ab_$v.log" 2>&1
-        add "ab ${AB_VAR:-KDA_KCP_BWD_GRADS_WARPS}=$v rc=$?: $(grep -E '^\| ' "$OUT/ab_$v.log" | tail -4 | tr '\n' ' ')"
+          --json "$OUT/ab_$i.json" > "$OUT/ab_$i.log" 2>&1
+        add "ab $i KDA_KCP_TUNING=$v rc=$?: $(grep -E '^\| ' "$OUT/ab_$i.log" | tail -4 | tr '\n' ' ')"
       done;;
     ncu)  # one fwd + bwd per head count in $NCU_HEADS (default 16) -> $OUT/ncu.log (16) or ncu_h$H.log
       for nh in ${NCU_HEADS:-16}; do
@@ -131,7 +134,7 @@ for st in "$@"; do
     sanitize)  # compute-sanitizer on one small fwd + bwd (segmented walks forced), each tool as time allows
       for tool in memcheck racecheck initcheck; do
         if [ "$(left)" -lt 40 ]; then add "sanitize $tool: no time left"; continue; fi
-        KDA_KCP_SEG_CHUNKS=2 KDA_KCP_BWD_SEG_CHUNKS=2 timeout $(tl 20) compute-sanitizer --tool $tool \
+        KDA_KCP_TUNING=fwd_seg_chunks=2,bwd_seg_chunks=2 timeout $(tl 20) compute-sanitizer --tool $tool \
           --print-limit 20 python3 scripts/profile_step.py --heads 2 --docs 1 65 700 300 > "$OUT/sanitize_$tool.log" 2>&1
         add "sanitize $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
       done;;

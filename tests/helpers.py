@@ -1,5 +1,5 @@
-"""Shared test helpers: random packed batches, error measures, bad values, bitwise comparison, torch.compile, and
-spawning gloo process groups (the GPU tests import it too)."""
+"""Shared test helpers: random packed batches, error measures, bad values, bitwise comparison, torch.compile, forced
+tuning choices, and spawning gloo process groups (the GPU tests import it too)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,22 @@ def fresh_compile(fn, backend):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def set_tuning(target, **knobs) -> None:
+    """Force tuning choices (``KDA_KCP_TUNING``, kda_kcp.cuda.tuning) through ``target``: a pytest MonkeyPatch, or a
+    function (name, value) that sets an environment variable. The keys given join those already forced; a value of
+    None drops its key."""
+    from kda_kcp.cuda import tuning
+
+    forced = tuning.overrides()
+    for key, value in knobs.items():
+        if value is None:
+            forced.pop(key, None)
+        else:
+            forced[key] = value
+    setenv = getattr(target, "setenv", target)
+    setenv(tuning.ENV, ",".join(f"{key}={value}" for key, value in sorted(forced.items())))
 
 
 def offsets(lengths):

@@ -37,7 +37,7 @@ from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.reference import naive_kda
 from kda_kcp.torch_backend import TorchBackend, _chunk_set
 from kda_kcp.walk import reverse_walk, state_walk
-from helpers import gather_global, run_distributed
+from helpers import gather_global, run_distributed, set_tuning
 
 ROOT = Path(__file__).resolve().parents[1]
 EMU = Path(__file__).resolve().parent / "emulation"
@@ -70,7 +70,8 @@ def _build(out: Path, defines: tuple[str, ...] = ()) -> Path:
         units[-1].write_text(_emulated((ROOT / "csrc" / f"{name}.cu").read_text()))
     lib = out / "libkda_emu.so"
     subprocess.run(["g++", "-std=c++20", "-O2", "-pthread", "-fPIC", "-shared", f"-I{inc}", f"-I{ROOT / 'csrc'}",
-                    *os.environ.get("KDA_EMU_DEFINES", "").split(),  # e.g. -DKDA_BWD_SPLIT=80: a variant's build
+                    # an experiment's compile-time variant, as scripts/build_prebuilt.py --define builds it
+                    *os.environ.get("KDA_EMU_DEFINES", "").split(),
                     *defines,
                     "-x", "c++", *map(str, units), str(EMU / "driver.cpp"), "-o", str(lib)], check=True)
     return lib
@@ -207,8 +208,7 @@ def test_records_walks_and_summaries(emu):
 
     mine = {"W": field(0, 16384, torch.bfloat16, (64, 128)), "Kg": field(16384, 16384, torch.bfloat16, (64, 128)),
             "U": cb.record_u(rec), "gamma": field(131072, 512, torch.float32, (128,)),
-            # A hi (its lo is written only for a gradient kernel that reads it: KDA_BWD_SPLIT bit 2, kda_bwd.h);
-            # the upper blocks are not written (still the 0xFF poison)
+            # A hi (the record holds no lo: kda_bwd.h); the upper blocks are not written (still the 0xFF poison)
             "A": field(65536, 8192, torch.bfloat16, (64, 64)).where(cb.record_lower_blocks(), 0.0)}
     ref = {"W": W, "Kg": Kg, "U": U, "gamma": gamma, "A": A}
     for name in mine:
@@ -441,8 +441,7 @@ def _use_emulated_programs(lib, setattr_, setenv):
     setattr_(cb, "check_tensors", lambda *a: None)
     setattr_(forward, "load", lambda device: programs)
     setattr_(cb, "load", lambda device: programs)
-    setenv("KDA_KCP_SEG_CHUNKS", "2")
-    setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")
+    set_tuning(setenv, fwd_seg_chunks=2, bwd_seg_chunks=2)
 
 
 def _oracle(cu, inputs, do):
@@ -589,8 +588,7 @@ def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_group
     records, h and dh); in up to 4 each run is a group of its own. The pipelined backward gives the unpipelined
     one's gradients bit for bit, from given states."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
-    monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", max_groups)
+    set_tuning(monkeypatch, bwd_seg_chunks=0, bwd_walk_groups=max_groups)
     cu = [0, 70, 300, 330]
     plan, inputs, do, sin, dso = _case(cu, 1, 11)
     groups = cb._walk_groups(plan, 1, "cpu")
@@ -601,16 +599,15 @@ def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_group
 
 @pytest.mark.parametrize("pieces", ["2", "3"])
 def test_split_walks_are_bitwise_the_plain_backward(emu, monkeypatch, pieces):
-    """Whole-run walks launched in pieces (KDA_KCP_BWD_WALK_PIECES; each piece starts from the FP32 state its run's
+    """Whole-run walks launched in pieces (bwd_walk_pieces; each piece starts from the FP32 state its run's
     previous piece leaves in the hand-off buffer) with each block's gradients once both walks have passed it: runs of
     2, 4 and 1 chunks (blocks of zero chunks where a run is shorter than the pieces: a row that only hands its state
     on), in one group and in three, and a single run; every gradient the unpipelined backward's bit for bit, from
     given states."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
-    monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", pieces)
+    set_tuning(monkeypatch, bwd_seg_chunks=0, bwd_walk_pieces=pieces)
     for cu, cap, seed in (([0, 70, 300, 330], "2", 13), ([0, 70, 300, 330], "4", 14), ([0, 250], "4", 15)):
-        monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", cap)
+        set_tuning(monkeypatch, bwd_walk_groups=cap)
         plan, inputs, do, sin, dso = _case(cu, 1, seed)
         groups = cb._walk_groups(plan, 1, "cpu")
         longest = max(grp.fwalk[:, 1].max().item() for grp in groups)
@@ -622,10 +619,10 @@ def test_split_walks_are_bitwise_the_plain_backward(emu, monkeypatch, pieces):
 
 
 def _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch):
-    """The backward with KDA_KCP_BWD_PIPELINE = 1 and = 0: every gradient bit for bit, none all zero."""
+    """The backward with bwd_pipeline = 1 and = 0: every gradient bit for bit, none all zero."""
     got = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", flag)
+        set_tuning(monkeypatch, bwd_pipeline=flag)
         got[flag] = cb.PreparedBackward(*inputs, do, SCALE, plan).grads(sin, dso)
     for name, a, b in zip(NAMES, got["1"], got["0"]):
         assert torch.equal(a, b), f"{name}: the pipelined backward differs"
@@ -637,7 +634,7 @@ def test_pipelined_segmented_backward_is_bitwise_the_plain_one(emu, monkeypatch)
     two halves of the chunk table ([0, 4) and [4, 7)), give the unpipelined gradients bit for bit, from given
     states."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")
+    set_tuning(monkeypatch, bwd_seg_chunks=2)
     cu = [0, 70, 300, 330]
     plan, inputs, do, sin, dso = _case(cu, 1, 12)
     assert [grp.ranges for grp in cb._walk_groups(plan, 1, "cpu")] == [[(0, 4)], [(4, 7)]]
@@ -650,7 +647,7 @@ def test_pipelined_forward_is_bitwise_the_plain_one(emu, monkeypatch):
     rows and the records). The forward prepped and walked group by group gives the unpipelined o bit for bit, from
     given incoming states."""
     _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "1000")  # whole runs
+    set_tuning(monkeypatch, fwd_seg_chunks=0)  # whole runs
     monkeypatch.setattr(forward, "sm_count", lambda device: 1)
     cu = [0, 70, 300, 330]
     plan, inputs, _, sin, _ = _case(cu, 1, 13)
@@ -658,14 +655,14 @@ def test_pipelined_forward_is_bitwise_the_plain_one(emu, monkeypatch):
     assert [grp.ranges for grp in groups] == [[(2, 6)], [(0, 2), (6, 7)]]
     got = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("KDA_KCP_FWD_PIPELINE", flag)
+        set_tuning(monkeypatch, fwd_pipeline=flag)
         prepared = forward.PreparedForward(*inputs, SCALE, plan, output_next=True)
         assert (prepared.groups is None) == (flag == "0")
         got[flag] = prepared.output(sin)
     assert torch.equal(got["1"], got["0"]), "the pipelined forward differs"
     assert got["1"].float().abs().sum() > 0
     # the KCP summaries read every record first: the groups' preps are made at once, then a plain output walk
-    monkeypatch.setenv("KDA_KCP_FWD_PIPELINE", "1")
+    set_tuning(monkeypatch, fwd_pipeline=1)
     assert forward.PreparedForward(*inputs, SCALE, plan).groups is None  # a KCP call's records: all made at once
     prepared = forward.PreparedForward(*inputs, SCALE, plan, output_next=True)
     prepared.summaries((0,))
@@ -683,7 +680,7 @@ def test_segmented_kcp_summaries(emu, monkeypatch):
     ref = TorchBackend().bwd_summaries(*(x.double() for x in inputs), do.double(), SCALE, plan, [1, 0, 2])
     got = {}
     for seg in ("0", "1", "2"):
-        monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", seg)
+        set_tuning(monkeypatch, bwd_summary_chunks=seg)
         tabs = cb._summary_tables(plan, (1, 0, 2), "cpu", own_chunks=False, heads=2)
         assert (tabs.chains is None) == (seg == "0")
         got[seg] = cb.PreparedBackward(*inputs, do, SCALE, plan).summaries([1, 0, 2])
@@ -702,9 +699,8 @@ def _emulated_kcp(rank, world, lib_path):
     _, inputs, do, _, _ = _case(cu, 1, 8)
     ref = _oracle(cu, inputs, do)
     for early in ("0", "1"):  # the forward's output pass after the exchange, or partly before it
-        os.environ["KDA_KCP_FWD_EARLY"] = early
-        # the backward's KCP summaries: one walk per whole run, or 1-chunk segments composed
-        os.environ["KDA_KCP_BWD_SUMMARY_CHUNKS"] = "0" if early == "0" else "1"
+        # and the backward's KCP summaries: one walk per whole run, or 1-chunk segments composed
+        set_tuning(os.environ.__setitem__, fwd_early=early, bwd_summary_chunks="0" if early == "0" else "1")
         for layout in kda_kcp.LAYOUTS:
             ctx = kda_kcp.build_context_kcp(torch.tensor(cu), dist.group.WORLD, layout)
             local = [ctx.shard(x) for x in inputs]
@@ -773,7 +769,7 @@ def _emulated_kcp_states(rank, world, lib_path):
     the early output pass asked for: the runs that start a document then start from their initial states
     instead), against the FP64 oracle: o and the input gradients gathered, ht and dh0 summed over the ranks."""
     _use_emulated_programs(ctypes.CDLL(lib_path), setattr, os.environ.__setitem__)
-    os.environ["KDA_KCP_FWD_EARLY"] = "1"
+    set_tuning(os.environ.__setitem__, fwd_early=1)
     cu = [0, 70, 300]
     inputs, do, h0, dht = _state_case(cu, 22)
     ref = _states_oracle(cu, inputs, do, h0, dht)

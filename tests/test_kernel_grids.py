@@ -22,6 +22,7 @@ import kda_kcp
 import kda_kcp.function as function
 from kda_kcp.cuda import backward as cb
 from kda_kcp.cuda import forward
+from helpers import set_tuning
 from test_kernel_emulation import NAMES, SCALE, _build, _case, _p, _use_emulated_programs, _walked
 
 MAX_Y = 2  # the emulated device's gridDim.y bound (>= the heads of these tests: walks and merges put H there)
@@ -90,9 +91,9 @@ def test_fwd_bwd_past_grid_y_equals_smaller_calls(emu_small_grid, monkeypatch):
     gradients in one call of 7 chunks (launches (1, 2, 3) and (1, 1)); o and every gradient equal, bit for bit,
     those of each document in a call of its own, whose every count stays within the bound."""
     _use_emulated_programs(emu_small_grid, monkeypatch.setattr, monkeypatch.setenv)
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "1")
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")  # whole runs: no summaries (their rows ride on gridDim.x)
-    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")  # one gradient call of every chunk
+    # the forward in 1-chunk segments; the backward in whole runs (no summaries: their rows ride on gridDim.x) and
+    # one gradient call of every chunk
+    set_tuning(monkeypatch, fwd_seg_chunks=1, bwd_seg_chunks=0, bwd_pipeline=0)
     cu = [0, 70, 170, 298, 299]  # 2, 2, 2 and 1 chunks
     H = 1
     _, inputs, do, _, _ = _case(cu, H, 22)

@@ -1,12 +1,12 @@
-"""The pipelined backward's walk groups (kda_kcp.cuda.backward.group_runs and _walk_groups): whole-run walks grouped
-by walk length so that each group's gradient kernel starts when its own walks end, segmented walks in two halves of
-the chunk table; the cap and its validation. Pure functions of the plan (CPU); the emulation tests check that every
-grouping gives the unpipelined gradients."""
-
-import pytest
+"""The pipelined backward's walk groups (kda_kcp.cuda.tuning.group_runs, backward._walk_groups): whole-run walks
+grouped by walk length so that each group's gradient kernel starts when its own walks end, segmented walks in two
+halves of the chunk table; the cap. Pure functions of the plan (CPU); the emulation tests check that every grouping
+gives the unpipelined gradients."""
 
 from kda_kcp.cuda import backward as cb
+from kda_kcp.cuda import tuning
 from kda_kcp.plan import LocalPlan, build_plan
+from helpers import set_tuning
 
 BENCH_DOCS = (42024, 57573, 73122, 88673)  # benchmarks/bench_kda_kcp.py's batch: 657, 900, 1143, 1386 chunks
 
@@ -18,22 +18,22 @@ def local_plan(cu):
 
 def test_group_runs_rule():
     lengths = {0: 657, 1: 900, 2: 1143, 3: 1386}
-    assert cb.group_runs(lengths, 4) == [[0], [1], [3, 2]]  # 1143 >= 0.75 * 1386; 900 and 657 are not
-    assert cb.group_runs(lengths, 3) == [[0], [1], [3, 2]]
-    assert cb.group_runs(lengths, 2) == [[1, 0], [3, 2]]  # at most 2 groups
-    assert cb.group_runs({5: 10, 6: 10, 7: 9}, 4) == [[5, 6, 7]]  # alike: one group (no pipeline)
-    assert cb.group_runs({0: 100, 1: 50, 2: 25, 3: 12, 4: 6}, 4) == [[3, 4], [2], [1], [0]]  # the cap
+    assert tuning.group_runs(lengths, 4) == [[0], [1], [3, 2]]  # 1143 >= 0.75 * 1386; 900 and 657 are not
+    assert tuning.group_runs(lengths, 3) == [[0], [1], [3, 2]]
+    assert tuning.group_runs(lengths, 2) == [[1, 0], [3, 2]]  # at most 2 groups
+    assert tuning.group_runs({5: 10, 6: 10, 7: 9}, 4) == [[5, 6, 7]]  # alike: one group (no pipeline)
+    assert tuning.group_runs({0: 100, 1: 50, 2: 25, 3: 12, 4: 6}, 4) == [[3, 4], [2], [1], [0]]  # the cap
 
 
 def test_walk_groups_of_the_benchmark_batch(monkeypatch):
-    monkeypatch.delenv("KDA_KCP_BWD_SEG_CHUNKS", raising=False)
+    monkeypatch.delenv(tuning.ENV, raising=False)
     cu = [0]
     for n in BENCH_DOCS:
         cu.append(cu[-1] + n)
     plan = local_plan(cu)
-    for cap, want in (("", [[(0, 657)], [(657, 1557)], [(1557, 4086)]]),
-                      ("2", [[(0, 1557)], [(1557, 4086)]])):
-        monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", cap)
+    for cap, want in ((None, [[(0, 657)], [(657, 1557)], [(1557, 4086)]]),
+                      (2, [[(0, 1557)], [(1557, 4086)]])):
+        set_tuning(monkeypatch, bwd_walk_groups=cap)
         groups = cb._walk_groups(plan, 16, "cpu")
         assert [grp.ranges for grp in groups] == want
         assert sum(grp.fwalk.shape[0] for grp in groups) == cb._seg_tables(plan, 16, "cpu").fwalk.shape[0]
@@ -43,8 +43,7 @@ def test_segmented_walks_in_halves(monkeypatch):
     """The benchmark batch's walks in 45-chunk segments at H = 4 (a forced length):
     two groups of whole segments, the first half of the chunk table and the second, every segment in exactly one,
     both walk tables split alike."""
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "45")
-    monkeypatch.delenv("KDA_KCP_BWD_WALK_GROUPS", raising=False)
+    monkeypatch.setenv(tuning.ENV, "bwd_seg_chunks=45")
     cu = [0]
     for n in BENCH_DOCS:
         cu.append(cu[-1] + n)
@@ -63,47 +62,40 @@ def test_segmented_walks_in_halves(monkeypatch):
         assert sorted(r[:2] for r in grp.fwalk.tolist()) == sorted(r[:2] for r in grp.rwalk.tolist())
 
 
-def test_walk_groups_cap_is_checked(monkeypatch):
-    monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", "5")
-    with pytest.raises(ValueError, match="KDA_KCP_BWD_WALK_GROUPS"):
-        cb._max_walk_groups()
-
-
 def test_segment_choice_credits_the_pipelined_gradients(monkeypatch):
-    """choose_segment_chunks counts the gradient time that whole-run walks hide (_pipelined_gradients) and the two
+    """bwd_segment_chunks counts the gradient time that whole-run walks hide (bwd_hidden_gradients) and the two
     walk chains as running at once. The choices below are the measured best ones on the H200."""
-    for var in ("KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_PIPELINE", "KDA_KCP_BWD_WALK_GROUPS", "KDA_KCP_BWD_WALK_STREAMS"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(tuning.ENV, raising=False)
     # W = 1: whole runs at every H (H = 4: 8.44 ms against 9.14 / 9.05 ms for 45 / 90-chunk segments)
     bench = [657, 900, 1143, 1386]
-    assert [cb.choose_segment_chunks(bench, H, 132) for H in (4, 16, 64)] == [1386, 1386, 1386]
+    assert [tuning.bwd_segment_chunks(bench, H, 132) for H in (4, 16, 64)] == [1386, 1386, 1386]
     # W = 2, H = 16, the rank whose runs were segmented: contiguous rank 1, zigzag rank 1 (whole runs were 1.7 and
     # 2.1 ms faster than the 66- and 77-chunk segments chosen without the credit)
-    assert cb.choose_segment_chunks([658, 1386], 16, 132) == 1386
-    assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 1143
-    assert cb._pipelined_gradients([10, 10, 9], 16, 132) == 0.0  # one group: nothing runs beside the walks
-    hidden = cb._pipelined_gradients([658, 1386], 16, 132)
-    assert hidden == min(1386 - 658, cb.GRAD_STEP_COST * 16 * 658 / 132)
+    assert tuning.bwd_segment_chunks([658, 1386], 16, 132) == 1386
+    assert tuning.bwd_segment_chunks([536, 1143, 365], 16, 132) == 1143
+    assert tuning.bwd_hidden_gradients([10, 10, 9], 16, 132) == 0.0  # one group: nothing runs beside the walks
+    hidden = tuning.bwd_hidden_gradients([658, 1386], 16, 132)
+    assert hidden == min(1386 - 658, tuning.GRAD_STEP_COST * 16 * 658 / 132)
     # an empty run has no walk, hence no group: it neither adds time nor widens the first group's window
-    assert cb._pipelined_gradients([0, 300, 658, 1386, 0], 16, 132) == cb._pipelined_gradients([300, 658, 1386], 16, 132)
+    assert tuning.bwd_hidden_gradients([0, 300, 658, 1386, 0], 16, 132) == tuning.bwd_hidden_gradients([300, 658, 1386], 16, 132)
     # no pipeline, nothing hidden: with the chains at once still whole runs (measured 1.7 and 2.1 ms
     # faster than the 66- and 77-chunk segments the estimate chose when it counted the chains one after the other)
-    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
-    assert cb.choose_segment_chunks([658, 1386], 16, 132) == 1386
-    assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 1143
+    set_tuning(monkeypatch, bwd_pipeline=0)
+    assert tuning.bwd_segment_chunks([658, 1386], 16, 132) == 1386
+    assert tuning.bwd_segment_chunks([536, 1143, 365], 16, 132) == 1143
     # the chains one after the other on one stream: the serial estimate, no gradients hidden
-    monkeypatch.setenv("KDA_KCP_BWD_WALK_STREAMS", "0")
-    assert cb.choose_segment_chunks([658, 1386], 16, 132) == 66
-    assert cb.choose_segment_chunks([536, 1143, 365], 16, 132) == 77
-    assert cb.choose_segment_chunks(bench, 4, 132) == 45
+    set_tuning(monkeypatch, bwd_walk_streams=0)
+    assert tuning.bwd_segment_chunks([658, 1386], 16, 132) == 66
+    assert tuning.bwd_segment_chunks([536, 1143, 365], 16, 132) == 77
+    assert tuning.bwd_segment_chunks(bench, 4, 132) == 45
 
 
 def test_kcp_summary_segments_compose_in_reverse(monkeypatch):
-    """The KCP exchange's backward summaries cut into segments (summary_segment_chunks): every chunk of a listed run in
+    """The KCP exchange's backward summaries cut into segments (bwd_summary_chunks): every chunk of a listed run in
     exactly one segment, the run's last segment's summary in its chain's first slot (the reverse walk's order), one
-    chain per listed run; whole runs (KDA_KCP_BWD_SUMMARY_CHUNKS=0) keep one row per run and no chains."""
+    chain per listed run; whole runs (bwd_summary_chunks=0) keep one row per run and no chains."""
     plan = local_plan([0, 700, 1000, 1960])  # runs of 11, 5 and 15 chunks
-    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", "4")
+    monkeypatch.setenv(tuning.ENV, "bwd_summary_chunks=4")
     tabs = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=False, heads=2)
     rows, chains = tabs.rows.tolist(), tabs.chains.tolist()
     # run 2: chunks 16..30 in 4 segments (4, 4, 4, 3), last first; run 0: chunks 0..10 in 3 (4, 4, 3)
@@ -112,7 +104,7 @@ def test_kcp_summary_segments_compose_in_reverse(monkeypatch):
                     [8, 3, 4, 0], [4, 4, 5, 0], [0, 4, 6, 0]]
     own = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=True, heads=2)  # the lean path's own chunk table
     assert own.chunks.shape[0] == 26 and own.rows[:, 0].tolist() == [12, 8, 4, 0, 23, 19, 15]
-    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", "0")
+    monkeypatch.setenv(tuning.ENV, "bwd_summary_chunks=0")
     whole = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=False, heads=2)
     assert whole.chains is None and whole.rows.tolist() == [[16, 15, 0, 0], [0, 11, 1, 0]]
 
@@ -120,29 +112,28 @@ def test_kcp_summary_segments_compose_in_reverse(monkeypatch):
 def test_kcp_summary_segment_choice(monkeypatch):
     """A long published run is cut where its whole-run walk would leave SMs idle (H = 16: 64 of 132); 8 chunks at
     least."""
-    monkeypatch.delenv("KDA_KCP_BWD_SUMMARY_CHUNKS", raising=False)
-    assert cb.summary_segment_chunks([658], 16, 132) < 658
-    assert all(cb.summary_segment_chunks([n], h, 132) >= min(8, n) for n in (5, 300, 1386) for h in (1, 4, 64))
-    assert cb.summary_segment_chunks([5], 4, 132) == 5
+    monkeypatch.delenv(tuning.ENV, raising=False)
+    assert tuning.bwd_summary_chunks([658], 16, 132) < 658
+    assert all(tuning.bwd_summary_chunks([n], h, 132) >= min(8, n) for n in (5, 300, 1386) for h in (1, 4, 64))
+    assert tuning.bwd_summary_chunks([5], 4, 132) == 5
 
 
 def test_walk_pieces_rule_and_tables(monkeypatch):
-    """walk_pieces: 4 pieces while the walks' CTAs all fit on the GPU (the benchmark batch at H = 4 and 16, measured
-    faster there), 1 at H = 64; the knob forces a count and is checked. The pieces of a group: block j
+    """bwd_walk_pieces: 4 pieces while the walks' CTAs all fit on the GPU (the benchmark batch at H = 4 and 16,
+    measured faster there), 1 at H = 64; the override forces a count. The pieces of a group: block j
     of every run, the chain's first piece from the run's own state (src 0, idx = run), the others from the hand-off
     slot of their row (src 1, idx = row); the reverse chain from the last block down; every chunk in one block."""
-    for var in ("KDA_KCP_BWD_SEG_CHUNKS", "KDA_KCP_BWD_WALK_PIECES", "KDA_KCP_BWD_WALK_GROUPS"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv(tuning.ENV, raising=False)
     cu = [0]
     for n in BENCH_DOCS:
         cu.append(cu[-1] + n)
     plan = local_plan(cu)
     for H, want in ((4, 4), (16, 4), (64, 1)):
         st = cb._seg_tables(plan, H, "cpu")
-        assert cb.walk_pieces(st.fwalk.shape[0], H, st.walk_warps, 132) == want, H
+        assert tuning.bwd_walk_pieces(st.fwalk.shape[0], H, st.walk_warps, 132) == want, H
     assert cb._walk_groups(plan, 64, "cpu") is not None  # unlike lengths: groups, each of one piece
     assert all(grp.pieces == 1 for grp in cb._walk_groups(plan, 64, "cpu"))
-    monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", "3")
+    monkeypatch.setenv(tuning.ENV, "bwd_walk_pieces=3")
     plan = local_plan([0, 768, 1728])  # runs of 12 and 15 chunks: alike, one group
     (grp,) = cb._walk_groups(plan, 2, "cpu")
     assert grp.pieces == 3 and grp.rows == 2
@@ -156,6 +147,3 @@ def test_walk_pieces_rule_and_tables(monkeypatch):
     assert [r[:2] for r in rev[0]] == [r[:2] for r in rows[2]] and all(r[3] == 0 for r in rev[0])
     assert sorted(c for j in range(3) for a, b in grp.blocks[j] for c in range(a, b)) == list(range(27))
     assert min(range(3), key=grp.ready.__getitem__) == 1  # the middle block: both walks pass it first
-    monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", "0")
-    with pytest.raises(ValueError, match="KDA_KCP_BWD_WALK_PIECES"):
-        cb.walk_pieces(1, 1, 4, 132)

@@ -19,7 +19,7 @@ import kda_kcp.function as function
 from kda_kcp.arena import Arena, aligned, tensor_bytes
 from kda_kcp.cuda import CudaBackend, backward, forward
 from kda_kcp.workspace import exchange_elements
-from helpers import offsets, run_distributed
+from helpers import offsets, run_distributed, set_tuning
 
 
 class _NoKernels:
@@ -48,9 +48,8 @@ def _fake_cuda(monkeypatch):
     monkeypatch.setattr(backward, "check_tensors", lambda *a: None)
     monkeypatch.setattr(forward, "load", lambda device: _NoKernels())
     monkeypatch.setattr(backward, "load", lambda device: _NoKernels())
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "3")  # segmented forward walks on these small runs
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2")  # and segmented backward walks
-    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", "2")  # and segmented KCP backward summaries
+    # segmented forward and backward walks on these small runs, and segmented KCP backward summaries
+    set_tuning(monkeypatch, fwd_seg_chunks=3, bwd_seg_chunks=2, bwd_summary_chunks=2)
     return backend
 
 
@@ -145,15 +144,14 @@ def test_cuda_arena_is_exact_at_one_rank(monkeypatch, lengths, H):
     _check_all_arenas(kda_kcp.build_context_kcp(offsets(lengths)), H)
 
 
-@pytest.mark.parametrize("seg", ["3", "100000"])  # segmented walks, whole runs (run groups in both directions)
+@pytest.mark.parametrize("seg", [3, 0])  # segmented walks, whole runs (run groups in both directions)
 @pytest.mark.parametrize("passes", [None, 2])
 def test_upload_tables_leaves_nothing_to_build(monkeypatch, seg, passes):
     _fake_cuda(monkeypatch)
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", seg)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
+    set_tuning(monkeypatch, fwd_seg_chunks=seg, bwd_seg_chunks=seg)
     monkeypatch.setattr(forward, "sm_count", lambda device: 1)  # so that these small runs form run groups
     ctx = kda_kcp.build_context_kcp(offsets([1000, 1, 0, 333, 130]))
-    if seg != "3":
+    if seg == 0:
         assert forward.run_group_tables(ctx.local, 2, "cpu") is not None
     _check_uploaded(ctx, 2, passes)
 
@@ -162,12 +160,12 @@ def _two_ranks(rank, world):
     mp = pytest.MonkeyPatch()
     try:
         _fake_cuda(mp)
-        for early in ("0", "1"):  # the KCP forward's early output pass off, on (its carves live through the exchange)
-            mp.setenv("KDA_KCP_FWD_EARLY", early)
+        for early in (0, 1):  # the KCP forward's early output pass off, on (its carves live through the exchange)
+            set_tuning(mp, fwd_early=early)
             for lengths in ([1000, 1, 0, 333], [2001], [5, 700, 61, 300, 3]):
                 for layout in kda_kcp.LAYOUTS:
                     ctx = kda_kcp.build_context_kcp(offsets(lengths), dist.group.WORLD, layout)
-                    if early == "1" and layout == "contiguous" and lengths[0] == 1000:
+                    if early == 1 and layout == "contiguous" and lengths[0] == 1000:
                         assert forward.early_runs(ctx.local), "expected runs walked before the exchange"
                     _check_all_arenas(ctx, 2)
                     _check_uploaded(kda_kcp.build_context_kcp(offsets(lengths), dist.group.WORLD, layout), 2)
@@ -186,33 +184,33 @@ def test_call_need_is_cached_per_knob(monkeypatch):
     backend = _fake_cuda(monkeypatch)
     ctx = kda_kcp.build_context_kcp(offsets([1000, 1, 0, 333]))
     needs = {}
-    for seg in ("2", "0"):
-        monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
+    for seg in (2, 0):
+        set_tuning(monkeypatch, bwd_seg_chunks=seg)
         fresh = kda_kcp.workspace.workspace_bytes(ctx, 4, backend, "cpu")
         needs[seg] = function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
         assert needs[seg] == fresh == function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
-    assert needs["2"] != needs["0"]
+    assert needs[2] != needs[0]
     q, k, v, g, beta, _ = _inputs(ctx.local_tokens, 4)
     small = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(min(needs.values()), dtype=torch.uint8))
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "2" if needs["2"] > needs["0"] else "0")
+    set_tuning(monkeypatch, bwd_seg_chunks=2 if needs[2] > needs[0] else 0)
     with pytest.raises(ValueError, match="workspace too small"):
         function.forward_kcp(q, k, v, g, beta, ctx, None, True, small)
 
 
 def test_call_need_follows_the_pipeline_flag(monkeypatch):
-    """The backward's segment choice credits the pipelined gradients only with KDA_KCP_BWD_PIPELINE=1, so the flag
-    changes the tables (here, runs of 536, 1,143 and 365 chunks at H = 4: whole runs or 55-chunk segments) and is part
-    of the cached need's key."""
+    """The backward's segment choice credits the pipelined gradients only while the backward is pipelined, so
+    bwd_pipeline changes the tables (here, runs of 536, 1,143 and 365 chunks at H = 4: whole runs or 55-chunk segments)
+    and is part of the cached need's key."""
     backend = _fake_cuda(monkeypatch)
-    monkeypatch.delenv("KDA_KCP_BWD_SEG_CHUNKS")
+    set_tuning(monkeypatch, bwd_seg_chunks=None)
     ctx = kda_kcp.build_context_kcp(offsets([536 * 64, 1143 * 64, 365 * 64]))
     needs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", flag)
+    for flag in (1, 0):
+        set_tuning(monkeypatch, bwd_pipeline=flag)
         fresh = kda_kcp.workspace.workspace_bytes(ctx, 4, backend, "cpu")
         needs[flag] = function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
         assert needs[flag] == fresh
-    assert needs["1"] != needs["0"]
+    assert needs[1] != needs[0]
 
 
 def test_arena_carves_are_views_of_the_buffer():
@@ -281,8 +279,7 @@ def test_sizing_launches_loads_and_exchanges_nothing(monkeypatch):
     for owner, name in ((forward, "load"), (backward, "load"), (kda_kcp.status, "word"), (kda_kcp.status, "fill"),
                         (function, "gather_summaries"), (function, "affine_merge")):
         monkeypatch.setattr(owner, name, refuse(f"{owner.__name__}.{name}"))
-    monkeypatch.setenv("KDA_KCP_FWD_EARLY", "1")  # an early output pass too
-    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", "2")  # segmented KCP summaries
+    set_tuning(monkeypatch, fwd_early=1, bwd_summary_chunks=2)  # an early output pass too; segmented KCP summaries
     backend = CudaBackend(True)
     cu = offsets([1000, 1, 0, 333, 5000])
     for ctx in (kda_kcp.build_context_kcp(cu), _FakeGroupContext(cu, 2, 0, "zigzag"),

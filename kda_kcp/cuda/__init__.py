@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import status
-from . import backward, forward
+from . import backward, forward, tuning
 from .common import check_grid_bounds
 
 __all__ = ["CudaBackend"]
@@ -82,9 +82,10 @@ class CudaBackend:
         status.raise_pending(q.device)
 
     def table_knobs(self) -> tuple:
-        """The environment knobs this backend's tables depend on (the forward's and the backward's): a cache of
-        anything computed from the tables, such as a call's workspace need, keys on them."""
-        return forward.table_knobs() + backward.table_knobs()
+        """What this backend's tables depend on besides the shapes: the choices ``KDA_KCP_TUNING`` overrides
+        (``tuning.cache_key``). A cache of anything computed from the tables, such as a call's workspace need, keys
+        on it."""
+        return tuning.cache_key()
 
     # single stages (tests, the torch backend's interface)
     def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None, arena=None):

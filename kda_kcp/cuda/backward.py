@@ -10,7 +10,7 @@ walk writes dh (the gradient of the state leaving each chunk) and dV_new, or the
 with their summaries and folds, run on two streams: ``_both_walks``; whole-run walks of unlike lengths run in
 up to 4 walk groups, segmented walks in two halves of the chunk table, each group's gradients starting when its
 own walks end: ``_walk_groups``; whole-run chains in pieces that hand their FP32 state on, each block's gradients
-starting once both walks have passed it: ``walk_pieces``, ``WalkGroup``); a gradient
+starting once both walks have passed it: ``WalkGroup``; the choices are ``kda_kcp.cuda.tuning``'s); a gradient
 kernel per (chunk, head) finishes from the record, h and dh. h holds each state as bf16 hi only, dh as
 fp16 at a power of two per walk warp, in the walks' register order (``hi_state_shape``, ``hi_states``,
 ``scaled_state_shape``, ``scaled_states``); V_new and dV_new reach the gradient kernel as fp16 the same way
@@ -26,17 +26,17 @@ gradients and the summaries fp32 [R, H, 128, 128] indexed [run, head, key, value
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from .. import status
 from ..arena import Arena
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count
+from . import tuning
+from .common import _D, _c, check_grid_bounds, check_tensors, even_split, side_streams, sm_count
 
-__all__ = ["PreparedBackward", "table_knobs", "bwd_grads", "bwd_summaries", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS",
-           "load", "record_lower_blocks"]
+__all__ = ["PreparedBackward", "bwd_grads", "bwd_summaries", "saved_bytes", "PREP_BYTES", "ENTRY_POINTS", "load",
+           "record_lower_blocks"]
 
 PREP_BYTES = 164352  # one prep record per (chunk, head), with the walks' V_new and dV_new; kda_bwd.h kPrepBytes
 REC_VN, REC_DVN = 81920, 131584  # byte offsets of the walks' V_new (over U) and dV_new; kda_bwd.h kRecVn, kRecDvn
@@ -57,37 +57,16 @@ ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "
                 "bwd_grads", "status_fill")
 
 
-def _warps(var: str, default: int) -> int:
-    """Warps per CTA of a per-chunk kernel, 8 or 16, overridable by the environment variable ``var``."""
-    w = int(os.environ.get(var, "") or default)
-    if w not in (8, 16):
-        raise ValueError(f"{var} must be 8 or 16, got {w}")
-    return w
-
-
-def _grads_warps() -> int:
-    """Warps per CTA of the gradient kernel: 16 (the default: half the accumulator registers per thread,
-    twice the warps per SM; 47.9 ms against 69.9 ms for 8 warps, bwd at H = 16 on the H200)
-    or 8 (``KDA_KCP_BWD_GRADS_WARPS=8``)."""
-    return _warps("KDA_KCP_BWD_GRADS_WARPS", 16)
-
-
-def _walk_streams() -> bool:
-    """Whether the two walk chains run on two streams (the default; ``KDA_KCP_BWD_WALK_STREAMS=0`` runs them
-    one after the other on the current stream, for A/Bs)."""
-    return env_choice("KDA_KCP_BWD_WALK_STREAMS", "1", ("0", "1")) == "1"
-
-
 def _both_walks(rev_chain, fwd_chain, device) -> None:
     """Run the reverse chain (dh, dV_new) on the current stream and the forward chain (h, V_new) on a side
     stream, joined before returning. They are independent: the reverse recursion of dS never reads S, the
     reverse walk reads the records' W, Kg, Qg, Aqk, gamma and writes dV_new and dh, the forward walk reads
     W, Kg, U, gamma and writes V_new (over U) and h. Each kernel's result is the same whatever the overlap,
     so the backward stays bitwise repeatable. A CTA of each does not fit on one SM (shared memory): the
-    overlap is between the segmented chains' summaries and folds (bwd at H = 4: -0.21 ms with the walks too).
+    overlap is between the segmented chains' summaries and folds (``tuning.bwd_walk_streams``).
     The walks themselves go through ``_pipelined_walks_and_grads`` when there are walk groups; run together, the
     two walks are bound by DRAM bandwidth even when a CTA of each fits on one SM (docs/kernels.md §4)."""
-    if torch.device(device).type != "cuda" or not _walk_streams():  # (the CPU emulation of the kernels)
+    if torch.device(device).type != "cuda" or not tuning.bwd_walk_streams():  # (the CPU emulation of the kernels)
         rev_chain()
         fwd_chain()
         return
@@ -125,123 +104,9 @@ def _tables(plan, device):
     return cache[key]
 
 
-# ---- segments: runs split into pieces of whole chunks, walked in parallel (affine merge) ----
-SEG_CTA_OVERHEAD = 2.0  # start-up of one walk CTA, in chunk steps
-FOLD_STEP_COST = 1.0  # one fold step, in chunk steps
-# The gradient kernel on one (chunk, head), in the estimate's unit (half a walk step, ~1.6 us on the H200): one
-# 16-warp CTA per SM, 19.5 ms for the 65,344 chunk-heads of H = 16 on 132 SMs is ~39 us.
-GRAD_STEP_COST = 25.0
-
-
 def _row_table(rows, device) -> torch.Tensor:
     """A table of 4-int rows (walk, summary or chain rows; kda_bwd.h) as int32 [n, 4] on ``device``."""
     return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
-
-
-def _split(nchunks: int, nseg: int) -> list[int]:
-    base, extra = divmod(nchunks, nseg)
-    return [base + (1 if i < extra else 0) for i in range(nseg)]
-
-
-def _pass_time(lengths, copies: int, slots: int) -> float:
-    if not lengths:
-        return 0.0
-    work = (sum(lengths) + SEG_CTA_OVERHEAD * len(lengths)) * copies
-    return work / slots + max(lengths) + SEG_CTA_OVERHEAD
-
-
-def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
-    """Chunks per segment minimising a list-scheduling estimate of the two walks (a pure function of the
-    shapes). The estimate counts work in 64-column tiles of the state: 2 per (segment, head) for a walk, 4 per
-    (non-final segment, head) for a summary, one tile per SM at a time. That is the unit it was calibrated in
-    (4-warp walk CTAs of 64 columns); the kernels now run a (segment, head) as one 8-warp CTA of 128 columns,
-    and counting such a CTA as one slot chose 66-chunk segments at H = 16, measured 38.4 ms against 32.3 ms
-    for whole runs. Whole runs are credited with the gradient time their pipelined walk groups
-    hide (``_pipelined_gradients``; with ``KDA_KCP_BWD_PIPELINE=1``, the default; the lean path's passes do not
-    pipeline, and use the same choice). The forward and reverse chains run at once on two streams (the default,
-    ``_walk_streams``): their tiles share the SMs and the longest segment's steps count once. Counted one after the
-    other, the estimate chose 45-chunk segments for the benchmark batch at H = 4, measured
-    9.14 ms against 8.44 ms for whole runs. ``KDA_KCP_BWD_SEG_CHUNKS=n`` forces n; ``0``
-    keeps whole runs."""
-    longest = max(run_chunks, default=1)
-    streams = _walk_streams()
-    hidden = _pipelined_gradients(run_chunks, heads, sms) if _pipeline() and streams else 0.0
-
-    def cost(L: int) -> float:
-        walk, summ, steps = [], [], 0
-        for c in run_chunks:
-            parts = _split(c, math.ceil(c / L))
-            walk += parts
-            summ += parts[:-1]
-            steps = max(steps, len(parts) - 1)
-        if streams:
-            t = _pass_time(walk, 4 * heads, sms) + _pass_time(summ, 8 * heads, sms)
-        else:
-            t = 2 * (_pass_time(walk, 2 * heads, sms) + _pass_time(summ, 4 * heads, sms))
-        t += 2 * FOLD_STEP_COST * steps
-        return t - hidden if L >= longest else t
-
-    return _best_length(run_chunks, "KDA_KCP_BWD_SEG_CHUNKS", cost)
-
-
-def _best_length(run_chunks: list[int], forced_var: str, cost) -> int:
-    """The chunks per segment L that minimise ``cost(L)`` over the candidates (the longest run's length, and
-    ceil(longest / n) for n up to 128 if at least 8), the longest first on ties; or the length the environment
-    variable ``forced_var`` forces (``0``: whole runs)."""
-    longest = max(run_chunks, default=1)
-    forced = os.environ.get(forced_var, "").strip()
-    if forced:
-        n = int(forced)
-        return longest if n <= 0 else n
-    best = None
-    for L in sorted({longest} | {max(1, math.ceil(longest / n)) for n in range(1, 129)}, reverse=True):
-        if L < 8 and L != longest:
-            continue
-        t = cost(L)
-        if best is None or t < best[0] - 1e-9:
-            best = (t, L)
-    return best[1]
-
-
-def _pipelined_gradients(run_chunks: list[int], heads: int, sms: int) -> float:
-    """Gradient time that whole-run walks hide (``_pipelined_walks_and_grads``), in ``choose_segment_chunks``' unit:
-    each walk group but the longest starts its gradients when its own walks end, beside the longer walks, i.e. for
-    up to (longest - its longest run) units (its two walks run at once); all of them within the first group's
-    window. Segmented walks end together and hide almost none. Without it the estimate chose 66- and 77-chunk
-    segments for one rank's runs at W = 2, H = 16 (contiguous [658, 1386], zigzag [536, 1143, 365] chunks),
-    measured 1.7 and 2.1 ms slower than whole runs."""
-    lengths = {r: c for r, c in enumerate(run_chunks) if c > 0}  # an empty run has no walk, so no group
-    groups = group_runs(lengths, _max_walk_groups())
-    if len(groups) < 2:
-        return 0.0
-    longest = max(run_chunks)
-    hidden = 0.0
-    for ids in groups[:-1]:
-        window = longest - max(lengths[r] for r in ids)
-        hidden += min(window, GRAD_STEP_COST * heads * sum(lengths[r] for r in ids) / sms)
-    return min(hidden, longest - max(lengths[r] for r in groups[0]))
-
-
-# SMs a (row, head) of a launch takes at 4 warps per CTA (``walk_warps``' demand): a reverse walk is 2 CTAs of
-# 148 KB (one per SM), a forward walk 2 CTAs of 101 KB (two share an SM); the two chains run at once. A summary
-# has twice the columns. The KCP exchange's reverse summaries run alone.
-WALK_SMS = 3
-SUMMARY_SMS = 2 * WALK_SMS
-REV_SUMMARY_SMS = 4
-
-
-def walk_warps(demand4: int, sms: int) -> int:
-    """Warps per walk or summary CTA of a launch (csrc/kda_bwd.cu WalkShape): 4 (64 state columns per CTA) when
-    ``demand4``, the SMs the launch (with whatever runs beside it) takes at 4 warps, fits on the GPU, else 8 (128
-    columns: the records read once per step, half the CTAs; docs/kernels.md §4). An 8-warp CTA steps slower than a
-    4-warp one alone on its SM, so a launch that fits keeps 4. ``KDA_KCP_BWD_WALK_WARPS=4`` or ``8`` forces one (A/Bs;
-    the results are bitwise equal either way). A pure function of the shapes."""
-    v = os.environ.get("KDA_KCP_BWD_WALK_WARPS", "auto").strip()
-    if v not in ("auto", "4", "8"):
-        raise ValueError(f"KDA_KCP_BWD_WALK_WARPS must be auto, 4 or 8, got {v!r}")
-    if v != "auto":
-        return int(v)
-    return 4 if demand4 <= sms else 8
 
 
 class SegTables:
@@ -251,12 +116,12 @@ class SegTables:
         C = plan.chunk_size
         run_chunks = [r.num_chunks(C) for r in plan.runs]
         sms = sm_count(device)
-        L = choose_segment_chunks(run_chunks, heads, sms)
+        L = tuning.bwd_segment_chunks(run_chunks, heads, sms)
         fwalk, rwalk, fsum, rsum, fch, rch = [], [], [], [], [], []
         nf = nr = 0
         ptr = 0
         for r, n in enumerate(run_chunks):
-            parts = _split(n, math.ceil(n / L)) if n > 0 else []
+            parts = even_split(n, math.ceil(n / L)) if n > 0 else []
             starts = []
             for p in parts:
                 starts.append(ptr)
@@ -292,47 +157,12 @@ class SegTables:
             _row_table(rows, device) for rows in (fwalk, rwalk, fsum, rsum, fch, rch))
         self.num_fold_f, self.num_fold_r = nf, nr
         self.num_sum_f, self.num_sum_r = len(fsum), len(rsum)
-        self.walk_warps = walk_warps(WALK_SMS * len(fwalk) * heads, sms)
-        self.summary_warps = walk_warps(SUMMARY_SMS * len(fsum) * heads, sms)
-
-
-def table_knobs() -> tuple:
-    """The knobs the segment tables depend on: the forced length, the walk width, and (through the pipelined
-    gradients' credit in ``choose_segment_chunks``) the pipeline flag and the group cap; the KCP summaries'
-    forced segment length; the walk pieces (``walk_pieces``). Every cache built from the segment tables keys on
-    them."""
-    return (os.environ.get("KDA_KCP_BWD_SEG_CHUNKS", ""), os.environ.get("KDA_KCP_BWD_WALK_WARPS", ""), _pipeline(),
-            _max_walk_groups(), os.environ.get("KDA_KCP_BWD_SUMMARY_CHUNKS", ""),
-            os.environ.get("KDA_KCP_BWD_WALK_PIECES", ""))
-
-
-# One composed segment, in chunk steps. Fitted to a probe of one published run (H200): at H = 16, 486 chunks
-# took 0.575 / 0.638 / 0.705 / 0.754 ms in segments of 64 / 32 / 27 / 16 chunks, 1386 chunks 1.573 / 1.635 / 1.887
-# ms in 64 / 32 / 16 (whole runs 1.383 and 3.816 ms): more segments than the GPU needs cost more than the fold's
-# 1 step each.
-COMPOSE_STEP_COST = 3.0
-
-
-def summary_segment_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
-    """Chunks per segment of the KCP exchange's reverse summaries (``PreparedBackward.summaries``): each published
-    run is cut into segments whose summaries are walked at once, then composed in order (a chain of the segments'
-    affine maps). A whole run's summary is one serial walk of all its chunks (4 tiles per head, one SM each: 64
-    of the 132 SMs at H = 16), on the critical path of every rank (the others wait for it in the all-gather).
-    The estimate is ``choose_segment_chunks``' list scheduling of the summary pass plus COMPOSE_STEP_COST per
-    composed segment. ``KDA_KCP_BWD_SUMMARY_CHUNKS=n`` forces n; ``0`` keeps whole runs. A pure function of the shapes."""
-    def cost(L: int) -> float:
-        parts, steps = [], 0
-        for c in run_chunks:
-            ps = _split(c, math.ceil(c / L)) if c > 0 else []
-            parts += ps
-            steps = max(steps, len(ps) - 1)
-        return _pass_time(parts, 4 * heads, sms) + COMPOSE_STEP_COST * steps
-
-    return _best_length(run_chunks, "KDA_KCP_BWD_SUMMARY_CHUNKS", cost)
+        self.walk_warps = tuning.bwd_walk_warps(len(fwalk), heads, sms)
+        self.summary_warps = tuning.bwd_summary_warps(len(fsum), heads, sms)
 
 
 def _seg_tables(plan, heads: int, device) -> SegTables:
-    key = ("cuda_bwd_segments", heads, str(torch.device(device))) + table_knobs()
+    key = ("cuda_bwd_segments", heads, str(torch.device(device))) + tuning.cache_key()
     cache = plan._tables
     if key not in cache:
         cache[key] = SegTables(plan, heads, device)
@@ -355,7 +185,7 @@ def _lean_passes(plan, heads: int, device, passes: int) -> list[LeanPass]:
     """The segments of the backward's walks assigned to ``passes`` passes, longest first to the pass with
     the fewest chunks so far (a pure function of the segment table): each pass holds whole segments, so
     every kernel sees exactly the chunks and states it sees in one pass, and results are bitwise equal."""
-    key = ("cuda_bwd_lean", heads, str(torch.device(device)), passes) + table_knobs()
+    key = ("cuda_bwd_lean", heads, str(torch.device(device)), passes) + tuning.cache_key()
     cache = plan._tables
     if key in cache:
         return cache[key]
@@ -396,15 +226,15 @@ class SummaryTables:
 
 
 def _summary_tables(plan, run_ids, device, own_chunks: bool, heads: int = 1) -> SummaryTables:
-    """The SummaryTables of ``run_ids`` (segments of ``summary_segment_chunks``). own_chunks False: rows index the
+    """The SummaryTables of ``run_ids`` (segments of ``tuning.bwd_summary_chunks``). own_chunks False: rows index the
     plan's chunk table (the replay records cover it); True: a table of just these runs' chunks (the lean backward
     preps them apart). Cached."""
     device = torch.device(device)
-    key = ("cuda_bwd_summary_tables", tuple(run_ids), str(device), own_chunks, heads) + table_knobs()
+    key = ("cuda_bwd_summary_tables", tuple(run_ids), str(device), own_chunks, heads) + tuning.cache_key()
     cache = plan._tables
     if key not in cache:
         C = plan.chunk_size
-        L = summary_segment_chunks([plan.runs[r].num_chunks(C) for r in run_ids], heads, sm_count(device))
+        L = tuning.bwd_summary_chunks([plan.runs[r].num_chunks(C) for r in run_ids], heads, sm_count(device))
         firsts = [0]
         for run in plan.runs:
             firsts.append(firsts[-1] + run.num_chunks(C))
@@ -413,7 +243,7 @@ def _summary_tables(plan, run_ids, device, own_chunks: bool, heads: int = 1) -> 
             run = plan.runs[r]
             bounds = run.chunk_offsets(C)
             spans.append((len(chunks) if own_chunks else firsts[r],
-                          _split(len(bounds), math.ceil(len(bounds) / L)) if bounds else []))
+                          even_split(len(bounds), math.ceil(len(bounds) / L)) if bounds else []))
             if own_chunks:
                 chunks += [(run.local_start + off, n) for off, n in bounds]
         segmented = any(len(parts) > 1 for _, parts in spans)
@@ -517,52 +347,13 @@ def _state(x, n, H, none, name):
     return x
 
 
-def _pipeline() -> bool:
-    """Whether the backward walks are pipelined with the gradient kernel (``_walk_groups``; the default;
-    ``KDA_KCP_BWD_PIPELINE=0`` turns it off, for A/Bs)."""
-    return env_choice("KDA_KCP_BWD_PIPELINE", "1", ("0", "1")) == "1"
-
-
-LATE_FRACTION = 0.75  # a run joins a group if its walk is at least this fraction of the group's longest one
-MAX_WALK_GROUPS = 4  # (two streams each)
-
-
-def _max_walk_groups() -> int:
-    """Walk groups at most (``KDA_KCP_BWD_WALK_GROUPS``, 2..4; default 4)."""
-    return int(env_choice("KDA_KCP_BWD_WALK_GROUPS", str(MAX_WALK_GROUPS), ("2", "3", "4")))
-
-
-WALK_PIECES = 4  # launches per whole-run walk chain when the walks leave SMs to the gradient kernel (walk_pieces)
-# A reverse walk step over a forward one (H200, H = 4: 3.70 / 2.71 ms for the 1,386 chunks of the longest run):
-# orders the pieces' gradient launches by when their chunks' h and dh are both written (nothing else depends on it)
-REV_STEP_RATIO = 1.37
-
-
-def walk_pieces(rows: int, heads: int, warps: int, sms: int) -> int:
-    """Pieces each whole-run walk chain is launched in (``WalkGroup``): WALK_PIECES when the walks' CTAs all fit on
-    the GPU at once (at 4 warps a (row, head) takes WALK_SMS SMs, at 8 warps 2: one reverse and one forward CTA per
-    SM), so that the gradients of the chunks both walks have passed run beside the rest of the walks, and each next
-    piece finds the SMs its chain's last one frees (its streams have the higher priority); else 1 (walk CTAs
-    already wait for SMs). Measured (bwd, the benchmark batch, det, H200): 4 pieces against 1, 7.413 / 7.398 against
-    7.776 / 7.838 ms at H = 4 (walks at 48 of 132 SMs), 26.18 / 26.23 against 26.46 ms at H = 16 (128 of 132).
-    ``KDA_KCP_BWD_WALK_PIECES=n`` (1..16) forces n. The pieces hand their FP32 state on, so every kernel gives the
-    unsplit walk's bits. A pure function of the shapes."""
-    forced = os.environ.get("KDA_KCP_BWD_WALK_PIECES", "").strip()
-    if forced:
-        if not forced.isdigit() or not 1 <= int(forced) <= 16:
-            raise ValueError(f"KDA_KCP_BWD_WALK_PIECES must be an integer in 1..16, got {forced!r}")
-        return int(forced)
-    demand = (WALK_SMS if warps == 4 else 2) * rows * heads
-    return WALK_PIECES if demand <= sms else 1
-
-
 class WalkGroup:
     """Runs whose walks and gradients go together: their rows of the whole-run walk tables and their chunk
     ranges [c0, c1) of the plan's chunk table (consecutive runs merged). With ``pieces`` k > 1 (whole-run walks
-    only) each run's chunks are cut into k blocks (``_split``) and each chain is launched block by block: forward
-    piece j walks block j of every run of the group (rows ``fwd_pieces[j]``), the reverse chain blocks k - 1 down
-    to 0 (``rev_pieces``, in launch order). A piece starts from the state its run's previous piece left in the
-    group's hand-off buffer (row i of a piece is row i of every piece: src 1, idx i) and writes the one it leaves
+    only; ``tuning.bwd_walk_pieces``) each run's chunks are cut into k blocks (``even_split``) and each chain is
+    launched block by block: forward piece j walks block j of every run of the group (rows ``fwd_pieces[j]``), the
+    reverse chain blocks k - 1 down to 0 (``rev_pieces``, in launch order). A piece starts from the state its run's
+    previous piece left in the group's hand-off buffer (row i of a piece is row i of every piece: src 1, idx i) and writes the one it leaves
     there; the first piece of a chain starts from the run's state_in / dstate_out as a whole-run row does. The
     gradients of block j (``blocks[j]``: chunk ranges) wait for forward piece j and the reverse piece of block j
     only; ``ready[j]`` is when both are expected done (in forward walk steps from the walks' start). k = 1: one
@@ -577,12 +368,12 @@ class WalkGroup:
         if k == 1:
             self.fwd_pieces, self.rev_pieces, self.rev_blocks = [self.fwalk], [self.rwalk], [0]
             self.blocks = [ranges]
-            self.ready = [REV_STEP_RATIO * self.longest]
+            self.ready = [tuning.REV_STEP_RATIO * self.longest]
             return
         cuts = []  # per row: the (first chunk, count) of its k blocks
         for first, count, _, _ in fwalk:
             parts, at = [], first
-            for n in _split(count, k):
+            for n in even_split(count, k):
                 parts.append((at, n))
                 at += n
             cuts.append(parts)
@@ -596,34 +387,21 @@ class WalkGroup:
         self.rev_blocks = list(range(k - 1, -1, -1))  # the reverse chain's launch order
         self.rev_pieces = [piece(j, j == k - 1) for j in self.rev_blocks]
         self.blocks = [coalesce_ranges(sorted((a, a + n) for a, n in (c[j] for c in cuts) if n > 0)) for j in range(k)]
-        self.ready = [self.longest * max((j + 1) / k, REV_STEP_RATIO * (k - j) / k) for j in range(k)]  # fwd steps
-
-
-def group_runs(lengths: dict, max_groups: int) -> list:
-    """Run ids grouped by walk length, the shortest group first: runs taken longest first, a run joins the
-    current group if its length is at least LATE_FRACTION of the group's longest, else opens the next group
-    (the last group open takes the rest once ``max_groups`` are open)."""
-    order = sorted(lengths, key=lambda r: (-lengths[r], r))
-    groups = []
-    for r in order:
-        if not groups or (lengths[r] < LATE_FRACTION * lengths[groups[-1][0]] and len(groups) < max_groups):
-            groups.append([r])
-        else:
-            groups[-1].append(r)
-    return groups[::-1]
+        ratio = tuning.REV_STEP_RATIO
+        self.ready = [self.longest * max((j + 1) / k, ratio * (k - j) / k) for j in range(k)]  # fwd steps
 
 
 def _walk_groups(plan, heads: int, device):
     """WalkGroups of the backward walks, or None (one segment, or whole runs all alike in one piece). Whole-run
     walks: the shortest runs' first and the longest's last. The walks of a run are serial in its chunks, so the
     shorter runs' walks end well before the longest one's and their SMs would idle: each group's gradient kernel
-    starts as soon as its own walks end, beside the longer groups' walks; with ``walk_pieces`` > 1 (even for one
-    group) the gradients of each block of a group's chunks start once both walks have passed it. Segmented walks
+    starts as soon as its own walks end, beside the longer groups' walks; with ``tuning.bwd_walk_pieces`` > 1 (even
+    for one group) the gradients of each block of a group's chunks start once both walks have passed it. Segmented walks
     (all about one length): the first and the second half of the chunk table, so that one half's gradients fill
     the SMs the walks' last wave leaves.
     Every kernel sees the same rows and chunks as unpipelined, so the results are bitwise equal. A pure function of
     the plan (cached)."""
-    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device))) + table_knobs()
+    key = ("cuda_bwd_walk_groups", heads, str(torch.device(device))) + tuning.cache_key()
     cache = plan._tables
     if key in cache:
         return cache[key]
@@ -637,8 +415,8 @@ def _walk_groups(plan, heads: int, device):
 
     out = None
     if not (st.num_sum_f or st.num_sum_r) and fw:  # whole runs (rows carry the run id)
-        runs = group_runs({row[2]: row[1] for row in fw}, _max_walk_groups())
-        pieces = walk_pieces(len(fw), heads, st.walk_warps, sm_count(device))
+        runs = tuning.bwd_walk_groups({row[2]: row[1] for row in fw})
+        pieces = tuning.bwd_walk_pieces(len(fw), heads, st.walk_warps, sm_count(device))
         if len(runs) > 1 or pieces > 1:
             out = tuple(group(lambda row, ids=frozenset(ids): row[2] in ids, pieces) for ids in runs)
     elif len(fw) > 1:  # segments: the first half of the chunk table (whole segments), then the rest
@@ -662,7 +440,7 @@ def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> Non
     joined at the end. High priority: a walk piece launched while gradient CTAs wait for SMs takes the next SM free
     instead of queueing behind whole gradient launches (a chain's pieces are serial). On the CPU (the emulated
     kernels) the same launches run in order."""
-    if torch.device(device).type != "cuda" or not _walk_streams():
+    if torch.device(device).type != "cuda" or not tuning.bwd_walk_streams():
         for grp in groups[::-1]:
             for p in range(grp.pieces):
                 launch_walk(grp, "rev", p)
@@ -687,7 +465,7 @@ def _pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> Non
         k = grp.pieces
         for p in range(k):
             launches.append((grp.longest * p / k, 0, -gi, gi, "fwd", p))
-            launches.append((REV_STEP_RATIO * grp.longest * p / k, 0, -gi, gi, "rev", p))
+            launches.append((tuning.REV_STEP_RATIO * grp.longest * p / k, 0, -gi, gi, "rev", p))
             launches.append((grp.ready[p], 1, gi, gi, "grads", p))  # (block p)
     done = {}  # (group, direction, block) -> the event recorded after that piece
     streams = iter(grads_pool)
@@ -764,7 +542,7 @@ class PreparedBackward:
             return Mt, F
         if self.prep is None:  # (lean)
             self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, tabs.chunks, prep, self.scale, self.word)
-        warps = walk_warps(REV_SUMMARY_SMS * tabs.num_rows * H, sm_count(self.dev))
+        warps = tuning.bwd_rev_summary_warps(tabs.num_rows, H, sm_count(self.dev))
         if tabs.chains is None:
             self.mod.bwd_rev_summary(self.do, prep, tabs.chunks, tabs.rows, Mt, F, warps)
             status.fill(self.mod, self.dev, Mt, F)  # NaN, not garbage, for the other ranks (kda_kcp.status)
@@ -804,7 +582,7 @@ class PreparedBackward:
         chunks, _ = _tables(self.plan, self.dev)
         nc, prep = chunks.shape[0], self.prep
         st = _seg_tables(self.plan, H, self.dev)
-        groups = _walk_groups(self.plan, H, self.dev) if _pipeline() else None
+        groups = _walk_groups(self.plan, H, self.dev) if tuning.bwd_pipeline() else None
         # every buffer of both chains is carved here, on the current stream, before any fork
         h = arena.empty(hi_state_shape(nc, H), torch.bfloat16)
         dh = arena.empty(scaled_state_shape(nc, H), torch.uint8)
@@ -845,7 +623,7 @@ class PreparedBackward:
         if groups is None:
             _both_walks(rev_chain, fwd_chain, self.dev)
             mod.bwd_grads(q, k, v, g, beta, do, chunks, prep, h, dh, dq, dk, dv, dg, dbeta, self.scale,
-                          _grads_warps())
+                          tuning.bwd_grads_warps())
             return grads
         if st.num_sum_f or st.num_sum_r:  # segmented: every segment's state before any walk
             _both_walks(rev_folds, fwd_folds, self.dev)
@@ -866,7 +644,7 @@ class PreparedBackward:
             rec = H * PREP_BYTES
             for c0, c1 in ranges:  # views of the chunk rows, records, h and dh of one range
                 mod.bwd_grads(q, k, v, g, beta, do, chunks[c0:c1], prep[c0 * rec : c1 * rec], h[c0:c1], dh[c0:c1],
-                              dq, dk, dv, dg, dbeta, self.scale, _grads_warps())
+                              dq, dk, dv, dg, dbeta, self.scale, tuning.bwd_grads_warps())
 
         _pipelined_walks_and_grads(groups, launch_walk, launch_grads, self.dev)
         return grads
@@ -928,7 +706,8 @@ def _bwd_grads_lean(mod, q, k, v, g, beta, do, scale, plan, sin, dso, e0, arena,
         mod.bwd_prep(q, k, v, g, beta, p.chunks, prep, scale, word)
         _both_walks(lambda: mod.bwd_rev_walk(do, prep, p.chunks, p.rwalk, dso, rfold, e0, dh, st.walk_warps),
                     lambda: mod.bwd_fwd_walk(prep, p.chunks, p.fwalk, sin, ffold, e0, h, st.walk_warps), dev)
-        mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale, _grads_warps())
+        mod.bwd_grads(q, k, v, g, beta, do, p.chunks, prep, h, dh, dq, dk, dv, dg, dbeta, scale,
+                      tuning.bwd_grads_warps())
 
 
 def bwd_summaries(q, k, v, g, beta, do, scale, plan, run_ids, arena=None):

@@ -1,14 +1,13 @@
-"""What the CUDA backend's wrappers share: the head dim, tensor checks, the SM count, knobs, side streams."""
+"""What the CUDA backend's wrappers share: the head dim, tensor checks, the SM count, even splits, side streams."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 
 import torch
 
-__all__ = ["_D", "_c", "check_tensors", "check_grid_bounds", "sm_count", "planning_sm_count", "env_choice",
+__all__ = ["_D", "_c", "check_tensors", "check_grid_bounds", "sm_count", "planning_sm_count", "even_split",
            "side_streams"]
 
 _D = 128  # the kernels' head dim (K = V)
@@ -81,14 +80,10 @@ def check_grid_bounds(heads: int, num_chunks: int) -> None:
                          f"{num_chunks:,} chunks x {heads:,} heads; split the batch")
 
 
-def env_choice(var: str, default: str, choices: tuple) -> str:
-    """The value of the environment knob ``var`` (``default`` when unset or empty), one of ``choices``, else a
-    ValueError naming them."""
-    v = os.environ.get(var, "").strip() or default
-    if v not in choices:
-        allowed = ", ".join(choices[:-1]) + " or " + choices[-1]
-        raise ValueError(f"{var} must be {allowed}, got {v!r}")
-    return v
+def even_split(nchunks: int, nseg: int) -> list[int]:
+    """``nchunks`` chunks in ``nseg`` consecutive segments of whole chunks, the first ``nchunks % nseg`` one longer."""
+    base, extra = divmod(nchunks, nseg)
+    return [base + (1 if i < extra else 0) for i in range(nseg)]
 
 
 _STREAMS: dict = {}

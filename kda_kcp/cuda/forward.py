@@ -9,20 +9,18 @@
     walk_output   one CTA per (segment, head, 16 NW value columns): o from each segment's S_in
 
 Whole-run forwards of runs of unlike lengths prep and walk by run group, longest runs first, each group's
-walk on a side stream once its own records are made (``run_group_tables``; ``KDA_KCP_FWD_PIPELINE=0`` turns it
-off); o is bitwise the same either way. A KCP forward can walk the runs whose document starts on the rank beside
-the exchange (``PreparedForward.reserve_early``; opt-in, ``KDA_KCP_FWD_EARLY``).
+walk on a side stream once its own records are made (``run_group_tables``); o is bitwise the same either way. A
+KCP forward can walk the runs whose document starts on the rank beside the exchange
+(``PreparedForward.reserve_early``; off by default).
 
-``fwd_output`` and ``fwd_summaries`` keep the contract of ``kda_kcp.cuda.CudaBackend``. The segment length
-is a pure function of (run lengths, H, SM count) (``choose_segment_chunks``), so results are bitwise
-repeatable on one GPU model. ``KDA_KCP_SEG_CHUNKS=n`` forces n chunks per segment, ``KDA_KCP_FWD_WARPS``
-the warps per walk CTA (2, 4 or 8; default 4).
+``fwd_output`` and ``fwd_summaries`` keep the contract of ``kda_kcp.cuda.CudaBackend``. The segment length, the
+walk width, the run groups and the early pass are the choices of ``kda_kcp.cuda.tuning``, pure functions of (run
+lengths, H, SM count), so results are bitwise repeatable on one GPU model.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,55 +28,20 @@ import torch
 from .. import status
 from ..arena import Arena
 from ..partition import coalesce_ranges
-from .common import _D, _c, check_grid_bounds, check_tensors, env_choice, side_streams, sm_count
+from . import tuning
+from .common import _D, _c, check_grid_bounds, check_tensors, even_split, side_streams, sm_count
 
-__all__ = ["load", "table_knobs", "PreparedForward", "fwd_output", "fwd_summaries", "choose_segment_chunks",
-           "forward_tables", "RECORD_BYTES", "ENTRY_POINTS", "model_time", "run_groups", "run_group_tables",
-           "early_runs", "late_runs"]
+__all__ = ["load", "PreparedForward", "fwd_output", "fwd_summaries", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
+           "run_group_tables", "early_runs", "late_runs"]
 
 CHUNK = 64
 RECORD_BYTES = 59904  # kda::kFwdRecordBytes (fp16 tiles, csrc/kda_fwd.h)
 
-# ---- cost model of one walk step (one chunk of one CTA), in units of an output step at NW = 4 ----
-SUMMARY_STEP = 0.57  # [M | E] tiles: (256 + 296) / 2 mma per warp against 484 (priced on the mma.sync walk)
-CTAS_PER_SM = 2  # walk CTAs resident per SM (smem 86.5 KB at NW = 4, 218 registers)
-MERGE_STEP = 1.5  # one fold step (128 x 128 x 128) in output steps, priced on the FP32-FMA merge (now ~0.6 of it)
-CTA_START = 1.0  # a CTA's first loads and state in/out, in output steps
-# A CTA alone on its SM steps faster than one of two sharing it: whole runs at H = 16 (128 CTAs on 132
-# SMs) took 0.62 of the shared step time (H200: fwd 13.29 -> 11.45 ms against 58-chunk segments).
-LONE_STEP = 0.62
-
-
-def _warps() -> int:
-    w = int(os.environ.get("KDA_KCP_FWD_WARPS", "4") or 4)
-    if w not in (2, 4, 8):
-        raise ValueError(f"KDA_KCP_FWD_WARPS must be 2, 4 or 8, got {w}")
-    return w
-
-
-def _early_mode() -> str:
-    """``KDA_KCP_FWD_EARLY``: 0 (the default): a KCP forward walks every run after the exchange; 1: the runs whose
-    incoming state is zero are walked on a side stream once this rank's summaries are done, beside the all-gather
-    and the merge; 2: beside the summaries too. Opt-in while the A/B is incomplete (H200: 1 gained
-    up to 1.3 ms on zigzag rows at W = 2 and was even or 0.1-0.2 ms slower on contiguous H = 16)."""
-    return env_choice("KDA_KCP_FWD_EARLY", "0", ("0", "1", "2"))
-
-
-def _early() -> bool:
-    """Whether the KCP forward walks the runs whose incoming state is zero before the exchange (``_early_mode``)."""
-    return _early_mode() != "0"
-
-
-def table_knobs() -> tuple:
-    """The knobs the forward's tables and carves depend on: the forced segment length, the walk width and whether the
-    KCP forward walks some runs before the exchange (its carves are then two passes')."""
-    return (os.environ.get("KDA_KCP_SEG_CHUNKS", ""), _warps(), _early())
-
 
 def early_runs(plan) -> tuple:
     """The local runs a KCP forward walks before the exchange: those whose document starts in them (their incoming
-    state is zero, whatever the other ranks publish); () unless ``KDA_KCP_FWD_EARLY`` is 1 or 2."""
-    if not _early():
+    state is zero, whatever the other ranks publish); () unless ``tuning.fwd_early``."""
+    if not tuning.fwd_early():
         return ()
     return tuple(i for i, run in enumerate(plan.runs) if run.starts_doc and run.length > 0)
 
@@ -86,66 +49,6 @@ def early_runs(plan) -> tuple:
 def late_runs(plan, early: tuple) -> tuple:
     """The local runs the output pass walks after the exchange when ``early`` were walked before it."""
     return tuple(r for r in range(plan.num_runs) if r not in early)
-
-
-def _split(nchunks: int, nseg: int) -> list[int]:
-    base, extra = divmod(nchunks, nseg)
-    return [base + (1 if i < extra else 0) for i in range(nseg)]
-
-
-def _pass_steps(lengths: list[int], ctas_per_seg: int, step: float, slots: int) -> float:
-    """Estimate (in output steps) of one pass of CTAs, `slots` resident at a time. When every CTA is resident from
-    the start nothing waits for a slot, and the longest CTA sets the time: at the lone step with one CTA per SM,
-    at the shared step otherwise (some SMs hold one, but the block scheduler doubles up the SMs of the first CTAs,
-    so the longest runs' CTAs mostly share). Past that, the list-scheduling bound."""
-    if not lengths:
-        return 0.0
-    n = len(lengths) * ctas_per_seg
-    longest = (max(lengths) + CTA_START) * step
-    if n <= slots // CTAS_PER_SM:  # one CTA per SM: the longest alone sets the time
-        return longest * LONE_STEP
-    if n <= slots:  # all resident at once (the bound priced 256 whole-run CTAs on 264 slots at 1.7x)
-        return longest
-    work = sum(length + CTA_START for length in lengths) * ctas_per_seg * step
-    return work / slots + longest * (1.0 - 1.0 / slots)
-
-
-def model_time(run_chunks: list[int], heads: int, sms: int, L: int, warps: int = 4) -> float:
-    """Walk time (output steps) with segments of L chunks: summary pass + fold + output pass."""
-    tiles_out = _D // (16 * warps)
-    slots = CTAS_PER_SM * sms
-    fwd, summ, steps = [], [], 0
-    for c in run_chunks:
-        n = max(1, math.ceil(c / L))
-        parts = _split(c, n)
-        fwd += parts * heads
-        summ += parts[:-1] * heads
-        steps = max(steps, n - 1)
-    t = _pass_steps(fwd, tiles_out, 1.0, slots)
-    t += _pass_steps(summ, 2 * tiles_out, SUMMARY_STEP, slots)
-    return t + MERGE_STEP * steps
-
-
-def choose_segment_chunks(run_chunks: list[int], heads: int, sms: int, warps: int = 4) -> int:
-    """Chunks per segment minimising ``model_time`` (``KDA_KCP_SEG_CHUNKS=n`` forces n)."""
-    forced = os.environ.get("KDA_KCP_SEG_CHUNKS", "").strip()
-    if forced:
-        return max(1, int(forced))
-    run_chunks = [c for c in run_chunks if c > 0]
-    if not run_chunks:
-        return 1
-    longest = max(run_chunks)
-    cands = {longest}
-    for n in range(1, 257):
-        cands.add(max(1, math.ceil(longest / n)))
-    best = None
-    for L in sorted(cands, reverse=True):
-        if L < 4 and L != longest:
-            continue
-        t = model_time(run_chunks, heads, sms, L, warps)
-        if best is None or t < best[0] - 1e-9:
-            best = (t, L)
-    return best[1]
 
 
 @dataclass
@@ -164,7 +67,7 @@ class ForwardTables:
 def _segments(run, first_chunk: int, L: int):
     """(tok_start, ntok, first chunk, chunks) of the segments of one run (whole chunks of its grid)."""
     bounds = run.chunk_offsets(CHUNK)
-    parts = _split(len(bounds), max(1, math.ceil(len(bounds) / L)))
+    parts = even_split(len(bounds), max(1, math.ceil(len(bounds) / L)))
     out, start = [], 0
     for p in parts:
         off = bounds[start][0]
@@ -201,13 +104,12 @@ def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = Non
         ids = tuple(sorted(int(r) for r in out_runs))
     else:
         ids = tuple(range(len(runs)))
-    warps = _warps()
-    key = ("cuda_forward", ids, summaries_only, heads, str(device), sms) + table_knobs()
+    key = ("cuda_forward", ids, summaries_only, heads, str(device), sms) + tuning.cache_key()
     cache = plan._tables
     if key in cache:
         return cache[key]
     nsm = sms if sms is not None else sm_count(device)
-    L = choose_segment_chunks([runs[r].num_chunks(CHUNK) for r in ids], heads, nsm, warps)
+    L = tuning.fwd_segment_chunks([runs[r].num_chunks(CHUNK) for r in ids], heads, nsm)
     chunks, firsts, nchunks = _chunk_table(plan, device)
     out, summ, chains = [], [], []
     nsin = 0
@@ -244,31 +146,6 @@ def forward_tables(plan, heads: int, device, run_ids=None, sms: int | None = Non
 
 
 # ---- the prep and the output walk by run group (whole-run walks) ----
-MAX_RUN_GROUPS = 4
-PREP_CTAS_PER_SM = 2  # prep CTAs resident per SM (101.75 KB of shared memory, 256 threads)
-GROUP_PREP_WAVES = 2  # a group (but the last) preps at least this many waves of prep CTAs
-LAST_FRACTION = 0.75  # pipelined only if the last group's longest run is at most this fraction of the first's
-
-
-def _pipeline() -> bool:
-    """Whether a whole-run forward preps and walks by run group (``KDA_KCP_FWD_PIPELINE``: 1, the default, or 0)."""
-    return env_choice("KDA_KCP_FWD_PIPELINE", "1", ("0", "1")) == "1"
-
-
-def run_groups(lengths: dict, heads: int, sms: int) -> list:
-    """Run ids (``lengths``: run id -> chunks) in groups, the longest runs first: a group is closed once it holds
-    GROUP_PREP_WAVES waves of prep CTAs (chunk-heads), at most MAX_RUN_GROUPS groups (the last takes the rest)."""
-    least = GROUP_PREP_WAVES * PREP_CTAS_PER_SM * sms
-    groups, work = [], 0
-    for r in sorted(lengths, key=lambda r: (-lengths[r], r)):
-        if not groups or (work >= least and len(groups) < MAX_RUN_GROUPS):
-            groups.append([])
-            work = 0
-        groups[-1].append(r)
-        work += lengths[r] * heads
-    return groups
-
-
 class RunGroup:
     """Runs whose prep and output walk go together: their chunk ranges [c0, c1) of the plan's chunk table
     (consecutive runs merged) and their rows of the output-walk table."""
@@ -280,37 +157,28 @@ class RunGroup:
 
 
 def run_group_tables(plan, heads: int, device, sms: int | None = None):
-    """The RunGroups of a whole-run forward, longest runs first, or None (segments, one group, or the pipeline
-    off). Why: the output walk of a run needs only that run's records, and a whole run's walk is serial in its
+    """The RunGroups of a whole-run forward, longest runs first, or None (segments, or ``tuning.fwd_run_groups``
+    None). Why: the output walk of a run needs only that run's records, and a whole run's walk is serial in its
     chunks, so the longest run's walk (the forward's critical path at H >= 16) can start once its own records
     are made, while the prep of the shorter runs goes on beside it. A pure function of the plan (cached)."""
     device = torch.device(device)
-    key = ("cuda_forward_groups", heads, str(device), sms, _pipeline()) + table_knobs()
+    key = ("cuda_forward_groups", heads, str(device), sms) + tuning.cache_key()
     cache = plan._tables
     if key in cache:
         return cache[key]
     tabs = forward_tables(plan, heads, device, sms=sms)
     out = None
-    if _pipeline() and tabs.num_summary == 0 and tabs.out_rows:
+    if tabs.num_summary == 0 and tabs.out_rows:
         nsm = sms if sms is not None else sm_count(device)
         rows = {row[3]: row for row in tabs.out_rows}  # whole runs: one row per run, idx = the run id
         lengths = {r: row[5] for r, row in rows.items()}
-        ids = run_groups(lengths, heads, nsm)
-        # Preps and walks that run at once slow each other (a walk step ~1.35x, the prep on those SMs ~2x, H200;
-        # much of the prep's share was SMs configured by a walk with no room for a prep CTA, which the kernels'
-        # whole shared-memory carveout removes), so the pipeline pays only through the walks of the shorter runs
-        # that end before the longest one: the last group's walk, which starts after every prep, must be clearly
-        # shorter than the first's (4 documents of 1,021 chunks at H = 16: 10.44 against 8.10 ms). Benchmark
-        # batch: H = 64 fwd 30.9 against 32.0 ms, H = 16 8.91 against 9.22 ms (walks at priority -1: at default
-        # priority the later groups' walks waited for the last prep, 9.7 ms).
-        ctas = len(tabs.out_rows) * heads * (_D // (16 * _warps()))
-        if len(ids) > 1 and max(lengths[r] for r in ids[-1]) <= LAST_FRACTION * max(lengths[r] for r in ids[0]):
+        ids = tuning.fwd_run_groups(lengths, heads, nsm)
+        if ids is not None:
             out = tuple(RunGroup(coalesce_ranges(sorted((rows[r][2], rows[r][2] + rows[r][5]) for r in grp)),
                                  [row for row in tabs.out_rows if row[3] in grp], device) for grp in ids)
-            # walks that fit one CTA per SM go first when a slot frees (else the later groups' walks wait for the last
-            # prep); walks that fill the GPU keep the default priority (they would take the preps' slots)
+            priority = tuning.fwd_group_walk_priority(len(tabs.out_rows), heads, nsm)
             for grp in out:
-                grp.priority = -1 if ctas <= nsm else 0
+                grp.priority = priority
     cache[key] = out
     return out
 
@@ -400,7 +268,7 @@ class PreparedForward:
         if self.mod is None:
             return M, E
         if tabs.num_summary > 0:
-            self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, _warps())
+            self.mod.fwd_walk_summary(self.v, self.ws, tabs.chunks, tabs.summary, m, e, tuning.fwd_warps())
         # empty runs: chains of count 0 give M = I, E = 0 (the compose kernel starts from [I | 0])
         self.mod.merge_compose(m, e, tabs.chains, M, E)
         status.fill(self.mod, self.dev, M, E)  # NaN, not garbage, for the other ranks if a value was out of domain
@@ -424,7 +292,7 @@ class PreparedForward:
         if self.mod is None:
             return None
         records = None
-        if _early_mode() == "2" and self.dev.type == "cuda":  # start beside this rank's summaries
+        if tuning.fwd_early_mode() == 2 and self.dev.type == "cuda":  # start beside this rank's summaries
             records = torch.cuda.Event()
             records.record()
 
@@ -458,7 +326,7 @@ class PreparedForward:
         """Summary walk, fold and output walk of the segments in ``tabs`` (``carves``: ``_carve``'s)."""
         if self.mod is None:
             return
-        warps = _warps()
+        warps = tuning.fwd_warps()
         seg_states = self.none
         if carves is not None:
             m, e, seg_states = carves
@@ -495,7 +363,7 @@ class PreparedForward:
                 torch.cuda.current_stream(self.dev).wait_stream(self._side)
             return o
         if self.groups is not None:
-            self._pipelined_output(sin_t, o, _warps())
+            self._pipelined_output(sin_t, o, tuning.fwd_warps())
             return o
         self._output_pass(self.tabs, sin_t, o, self._carve(self.tabs))
         return o

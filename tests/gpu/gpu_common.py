@@ -1,15 +1,21 @@
 """What the GPU tests share: the skip rule, the seed, random inputs as a model hands them over, plans,
-NaN poisoning and the error measure. Importable on any machine (nothing here needs a GPU)."""
+NaN poisoning, the error measure and forced tuning choices (tests/helpers.py's set_tuning). Importable on any
+machine (nothing here needs a GPU)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from kda_kcp.plan import LocalPlan, build_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import set_tuning  # noqa: E402,F401  (forced tuning choices, as the CPU tests force them)
 
 KERNEL_CAPABILITIES = ((9, 0), (10, 0), (10, 3))
 DEV = torch.device("cuda")

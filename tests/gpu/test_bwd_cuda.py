@@ -13,13 +13,14 @@ import torch
 from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.reference import naive_kda
 
-from gpu_common import DEV, fresh_seed, local_plan, poison_like, random_docs, rel, require_kernel_gpu
+from gpu_common import DEV, fresh_seed, local_plan, poison_like, random_docs, rel, require_kernel_gpu, set_tuning
 from gpu_common import make_inputs as _inputs
 
 require_kernel_gpu("the CUDA backward tests")
 
 from kda_kcp import status  # noqa: E402
 from kda_kcp.cuda import backward as cb  # noqa: E402
+from kda_kcp.cuda import tuning  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
 
 SEED = fresh_seed("test_bwd_cuda")
@@ -80,7 +81,7 @@ def test_stages_match_torch_stages():
         "Kg": field(16384, 16384, torch.bfloat16, (64, 128)),
         "sQg": field(32768, 16384, torch.bfloat16, (64, 128)),
         "Aqk": field(49152, 8192, torch.bfloat16, (64, 64)) + field(57344, 8192, torch.bfloat16, (64, 64)),
-        "A": field(65536, 8192, torch.bfloat16, (64, 64)),  # hi: A lo only with KDA_BWD_SPLIT bit 2 (kda_bwd.h)
+        "A": field(65536, 8192, torch.bfloat16, (64, 64)),  # hi only (kda_bwd.h)
         "U": cb.record_u(rec),
         "P": field(114688, 16384, torch.float32, (64, 64)),
         "gamma": field(131072, 512, torch.float32, (128,)),
@@ -205,7 +206,7 @@ def test_segmentations_agree(monkeypatch):
     dso = 0.1 * torch.randn(R, H, 128, 128, generator=gen).to(DEV)
     outs = {}
     for n in ("0", "1", "3", "7", ""):
-        monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", n)
+        set_tuning(monkeypatch, bwd_seg_chunks=n or None)
         plan = local_plan(cu)
         outs[n] = run_bwd(inputs, do, plan, sin, dso)
     for n in ("1", "3", "7", ""):
@@ -218,11 +219,11 @@ def test_segmentations_agree(monkeypatch):
 
 def _walk_case(seed, seg, monkeypatch):
     """Inputs, do, the plan, incoming states and outgoing state gradients of a ~9000-token batch at H = 4,
-    with KDA_KCP_BWD_SEG_CHUNKS = seg."""
+    with bwd_seg_chunks = seg ("": the model's choice)."""
     gen = torch.Generator().manual_seed(seed)
     cu = random_docs(9000, gen)
     inputs, do = make_inputs(cu[-1], 4, gen)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
+    set_tuning(monkeypatch, bwd_seg_chunks=seg or None)
     plan = local_plan(cu)
     R = plan.num_runs
     sin = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
@@ -233,13 +234,13 @@ def _walk_case(seed, seg, monkeypatch):
 @pytest.mark.parametrize("seg", ["0", "3", ""])
 def test_walks_on_two_streams_bitwise(seg, monkeypatch):
     """The backward's forward and reverse walk chains on two streams (the default) against one stream
-    (KDA_KCP_BWD_WALK_STREAMS=0): every gradient bitwise equal, for whole runs, 3-chunk segments (summaries
+    (bwd_walk_streams=0): every gradient bitwise equal, for whole runs, 3-chunk segments (summaries
     and folds on both streams) and the model's choice, with incoming states and outgoing gradients; the
     lean backward (2 passes) too."""
     inputs, do, plan, sin, dso = _walk_case(SEED + 19, seg, monkeypatch)
-    monkeypatch.setenv("KDA_KCP_BWD_WALK_STREAMS", "0")
+    set_tuning(monkeypatch, bwd_walk_streams=0)
     one = run_bwd(inputs, do, plan, sin, dso)
-    monkeypatch.setenv("KDA_KCP_BWD_WALK_STREAMS", "1")
+    set_tuning(monkeypatch, bwd_walk_streams=1)
     two = run_bwd(inputs, do, plan, sin, dso)
     q, _, _, g, beta = inputs
     poison_like(q, q, q, g, beta)
@@ -254,13 +255,13 @@ def test_walks_on_two_streams_bitwise(seg, monkeypatch):
 @pytest.mark.parametrize("seg", ["0", "3"])
 def test_walk_widths_bitwise(seg, monkeypatch):
     """Walk and summary CTAs of 4 warps (64 state columns) and of 8 (128) do the same per-warp work: every
-    gradient and the KCP run summaries bitwise equal under KDA_KCP_BWD_WALK_WARPS = 4, 8 and the automatic choice,
+    gradient and the KCP run summaries bitwise equal under bwd_walk_warps = 4, 8 and the automatic choice,
     for whole runs and 3-chunk segments (summaries and folds), with incoming states and outgoing gradients."""
     inputs, do, plan, sin, dso = _walk_case(SEED + 23, seg, monkeypatch)
     R = plan.num_runs
     out = {}
     for w in ("4", "8", "auto"):
-        monkeypatch.setenv("KDA_KCP_BWD_WALK_WARPS", w)
+        set_tuning(monkeypatch, bwd_walk_warps=None if w == "auto" else w)
         out[w] = (*run_bwd(inputs, do, plan, sin, dso), *cb.bwd_summaries(*inputs, do, SCALE, plan, list(range(R))))
     for w in ("8", "auto"):
         for name, a, b in zip((*NAMES, "Mt", "F"), out[w], out["4"]):
@@ -270,22 +271,22 @@ def test_walk_widths_bitwise(seg, monkeypatch):
 
 
 def test_walk_groups_bitwise(monkeypatch):
-    """The pipelined backward with its runs in 2, 3 and 4 walk groups (KDA_KCP_BWD_WALK_GROUPS; each group's
-    gradients on its own stream once its walks end) against the unpipelined one (KDA_KCP_BWD_PIPELINE=0): every
+    """The pipelined backward with its runs in 2, 3 and 4 walk groups (bwd_walk_groups; each group's
+    gradients on its own stream once its walks end) against the unpipelined one (bwd_pipeline=0): every
     gradient bitwise equal, whole-run walks of five documents of unlike lengths, with incoming states and
     outgoing gradients."""
     gen = torch.Generator().manual_seed(SEED + 29)
     cu = [0, 250, 850, 1950, 4250, 8750]  # 4, 10, 18, 36 and 71 chunks
     inputs, do = make_inputs(cu[-1], 4, gen)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
+    set_tuning(monkeypatch, bwd_seg_chunks=0)
     plan = local_plan(cu)
     sin = 0.1 * torch.randn(5, 4, 128, 128, generator=gen).to(DEV)
     dso = 0.1 * torch.randn(5, 4, 128, 128, generator=gen).to(DEV)
-    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
+    set_tuning(monkeypatch, bwd_pipeline=0)
     plain = run_bwd(inputs, do, plan, sin, dso)
-    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "1")
+    set_tuning(monkeypatch, bwd_pipeline=1)
     for cap in ("2", "3", "4"):
-        monkeypatch.setenv("KDA_KCP_BWD_WALK_GROUPS", cap)
+        set_tuning(monkeypatch, bwd_walk_groups=cap)
         assert len(cb._walk_groups(plan, 4, DEV)) == int(cap)
         got = run_bwd(inputs, do, plan, sin, dso)
         for name, a, b in zip(NAMES, got, plain):
@@ -295,26 +296,25 @@ def test_walk_groups_bitwise(monkeypatch):
 
 
 def test_split_walks_bitwise(monkeypatch):
-    """Whole-run walks in pieces (KDA_KCP_BWD_WALK_PIECES 4 and 7 and the automatic choice; the walk chains on
+    """Whole-run walks in pieces (bwd_walk_pieces 4 and 7 and the automatic choice; the walk chains on
     high-priority streams, each block's gradients on a stream of its own once both walks have passed it) against the
-    unpipelined backward (KDA_KCP_BWD_PIPELINE=0): every gradient bitwise equal, for five documents of unlike lengths
+    unpipelined backward (bwd_pipeline=0): every gradient bitwise equal, for five documents of unlike lengths
     in 4 walk groups and for one document alone, with incoming states and outgoing gradients."""
     gen = torch.Generator().manual_seed(SEED + 37)
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", "0")
-    monkeypatch.delenv("KDA_KCP_BWD_WALK_GROUPS", raising=False)
+    set_tuning(monkeypatch, bwd_seg_chunks=0, bwd_walk_groups=None)
     for cu in ([0, 250, 850, 1950, 4250, 8750], [0, 6000]):
         inputs, do = make_inputs(cu[-1], 4, gen)
         plan = local_plan(cu)
         R = plan.num_runs
         sin = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
         dso = 0.1 * torch.randn(R, 4, 128, 128, generator=gen).to(DEV)
-        monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
+        set_tuning(monkeypatch, bwd_pipeline=0)
         plain = run_bwd(inputs, do, plan, sin, dso)
-        monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "1")
+        set_tuning(monkeypatch, bwd_pipeline=1)
         for pieces in ("4", "7", ""):
-            monkeypatch.setenv("KDA_KCP_BWD_WALK_PIECES", pieces)
+            set_tuning(monkeypatch, bwd_walk_pieces=pieces or None)
             groups = cb._walk_groups(plan, 4, DEV)
-            assert max(grp.pieces for grp in groups) == int(pieces or cb.WALK_PIECES)
+            assert max(grp.pieces for grp in groups) == int(pieces or tuning.WALK_PIECES)
             got = run_bwd(inputs, do, plan, sin, dso)
             for name, a, b in zip(NAMES, got, plain):
                 assert torch.isfinite(a.float()).all(), (pieces, name)
@@ -324,13 +324,13 @@ def test_split_walks_bitwise(monkeypatch):
 
 def test_segment_halves_bitwise(monkeypatch):
     """Segmented walks (3-chunk segments, summaries and folds both ways) pipelined in two halves of the chunk table,
-    each half's gradients once its walks end, against the unpipelined backward (KDA_KCP_BWD_PIPELINE=0): every
+    each half's gradients once its walks end, against the unpipelined backward (bwd_pipeline=0): every
     gradient bitwise equal, with incoming states and outgoing gradients."""
     inputs, do, plan, sin, dso = _walk_case(SEED + 31, "3", monkeypatch)
     assert len(cb._walk_groups(plan, 4, DEV)) == 2
-    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "0")
+    set_tuning(monkeypatch, bwd_pipeline=0)
     plain = run_bwd(inputs, do, plan, sin, dso)
-    monkeypatch.setenv("KDA_KCP_BWD_PIPELINE", "1")
+    set_tuning(monkeypatch, bwd_pipeline=1)
     got = run_bwd(inputs, do, plan, sin, dso)
     for name, a, b in zip(NAMES, got, plain):
         assert torch.isfinite(a.float()).all(), name
@@ -340,7 +340,7 @@ def test_segment_halves_bitwise(monkeypatch):
 
 @pytest.mark.parametrize("seg", ["0", "5"])  # whole runs; 5-chunk segments composed (runs of 15 and 32 chunks)
 def test_summaries_match_torch_backend(seg, monkeypatch):
-    monkeypatch.setenv("KDA_KCP_BWD_SUMMARY_CHUNKS", seg)
+    set_tuning(monkeypatch, bwd_summary_chunks=seg)
     gen = torch.Generator().manual_seed(SEED + 17)
     cu = [0, 900, 1000, 3000]
     T, H = cu[-1], 4
@@ -377,7 +377,7 @@ def test_scale_of_v_and_do(seg, monkeypatch):
     gradients stay within the oracle bounds (against the FP64 torch backend) for dO of RMS 1e-8 (a mean loss over
     many tokens) and v of RMS 1e-6 and 1e4. A guard for any narrower operand type in the backward's products
     (fp16's normal range is 6e-5 .. 65504)."""
-    monkeypatch.setenv("KDA_KCP_BWD_SEG_CHUNKS", seg)
+    set_tuning(monkeypatch, bwd_seg_chunks=seg)
     gen = torch.Generator().manual_seed(SEED + 23)
     cu = [0, 700, 701, 2000]
     inputs, do = make_inputs(cu[-1], 2, gen)
@@ -423,7 +423,7 @@ def test_deterministic_bitwise_over_5_calls_and_nondet_close():
 
 def test_sixteen_warp_gradient_kernel(monkeypatch):
     """The 16-warp gradient kernel (the default: half the accumulator registers per thread, twice the warps
-    per SM) against the 8-warp one (KDA_KCP_BWD_GRADS_WARPS=8): dq, dk, dv bitwise equal (each element is
+    per SM) against the 8-warp one (bwd_grads_warps=8): dq, dk, dv bitwise equal (each element is
     accumulated in the same order); dg and dbeta within FP32 reassociation (their row and column partial
     sums are grouped differently: dg, an FP32 output, within 1e-5; dbeta, a bf16 output, element by element
     within one bf16 step plus the FP32 regrouping noise of cancelling terms); bitwise repeatable; within the FP64 tolerances."""
@@ -431,9 +431,9 @@ def test_sixteen_warp_gradient_kernel(monkeypatch):
     cu = random_docs(9000, gen)
     inputs, do = make_inputs(cu[-1], 4, gen)
     plan = local_plan(cu)
-    monkeypatch.setenv("KDA_KCP_BWD_GRADS_WARPS", "8")
+    set_tuning(monkeypatch, bwd_grads_warps=8)
     ref = run_bwd(inputs, do, plan)
-    monkeypatch.setenv("KDA_KCP_BWD_GRADS_WARPS", "16")
+    set_tuning(monkeypatch, bwd_grads_warps=16)
     got = run_bwd(inputs, do, plan)
     again = run_bwd(inputs, do, plan)
     oracle = oracle_grads(inputs, do, cu)

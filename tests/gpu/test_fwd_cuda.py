@@ -4,7 +4,7 @@ without an sm_90a / sm_100a / sm_103a GPU.
 FP64 oracle on random packed batches (inputs drawn fresh each run, seed printed, outputs poisoned with
 NaN), bitwise repeat (3 calls, 2 processes), segmentations and KCP pieces, summaries and state_in against
 the torch backend, the prep records against their formulas, the JIT cache across processes. The walk
-widths KDA_KCP_FWD_WARPS = 2 and 8 are checked against the oracle too (H = 4, 16; default 4).
+widths fwd_warps = 2 and 8 are checked against the oracle too (H = 4, 16; default 4).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from gpu_common import DEV, fresh_seed, local_plan, make_inputs, random_docs, rel, require_kernel_gpu, run_fwd
+from gpu_common import set_tuning
 
 require_kernel_gpu("the CUDA forward tests")
 
@@ -38,7 +39,7 @@ _ORACLE: dict = {}
 @pytest.mark.parametrize("H,total,warps", [(1, 12000, "4"), (4, 12000, "4"), (16, 8000, "4"), (64, 4000, "4"),
                                            (4, 12000, "2"), (4, 12000, "8"), (16, 8000, "2"), (16, 8000, "8")])
 def test_fwd_matches_fp64_oracle(H, total, warps, monkeypatch):
-    monkeypatch.setenv("KDA_KCP_FWD_WARPS", warps)
+    set_tuning(monkeypatch, fwd_warps=warps)
     if (H, total) not in _ORACLE:  # one batch and one FP64 oracle per shape, shared by the walk widths
         gen = torch.Generator().manual_seed(SEED + H)
         cu = random_docs(total, gen)
@@ -64,7 +65,7 @@ def test_scale_of_v_does_not_matter(seg_chunks, monkeypatch):
     fold and incoming states scale with v), with an initial state scaled alike; and o stays within the oracle bound
     (against the torch backend in FP64) for v and the initial state of RMS 1e-6 and 1e4, where unscaled fp16
     operands would leave their range."""
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", seg_chunks)
+    set_tuning(monkeypatch, fwd_seg_chunks=seg_chunks)
     gen = torch.Generator().manual_seed(SEED + 21)
     cu = [0, 700, 701, 2000]
     q, k, v, g, beta = make_inputs(cu[-1], 2, gen, gate="mixed")
@@ -123,7 +124,7 @@ def test_segmentations_agree(monkeypatch):
     inputs = make_inputs(7000, 4, gen, gate="mixed")
     outs = {}
     for n in ("1", "3", "100000"):
-        monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", n)
+        set_tuning(monkeypatch, fwd_seg_chunks=n)
         outs[n] = run_fwd(CudaBackend(), inputs, 128**-0.5, local_plan(cu))
     for n in ("1", "3"):
         d = rel(outs[n], outs["100000"])
@@ -170,10 +171,10 @@ def test_pipelined_forward_bitwise(H, monkeypatch):
     inputs = make_inputs(cu[-1], H, gen, gate="mixed")
     plan = local_plan(cu)
     sin = (0.1 * torch.randn(plan.num_runs, H, 128, 128, generator=gen)).to(DEV)
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "100000")
+    set_tuning(monkeypatch, fwd_seg_chunks=100000)
     outs = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("KDA_KCP_FWD_PIPELINE", flag)
+        set_tuning(monkeypatch, fwd_pipeline=flag)
         groups = run_group_tables(plan, H, DEV)
         if flag == "1":
             assert groups is not None and len(groups) == 4, "expected one run group per document"

@@ -13,12 +13,13 @@ import math
 import pytest
 import torch
 
-from kda_kcp.cuda.forward import CHUNK, choose_segment_chunks, forward_tables, model_time
+from kda_kcp.cuda.forward import CHUNK, forward_tables
+from kda_kcp.cuda.tuning import fwd_model_time, fwd_segment_chunks
 from kda_kcp.partition import partition_kcp
 from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.torch_backend import TorchBackend
 
-from gpu_common import local_plan, rel
+from gpu_common import local_plan, rel, set_tuning
 
 D = 128
 
@@ -144,7 +145,7 @@ def emulate_fwd_summaries(q, k, v, g, beta, scale, plan, run_ids, sms=132):
 
 @pytest.mark.parametrize("seg_chunks,sms", [("", 132), ("", 1), ("1", 132), ("3", 132)])
 def test_emulated_output_matches_torch_backend(monkeypatch, seg_chunks, sms):
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", seg_chunks)
+    set_tuning(monkeypatch, fwd_seg_chunks=seg_chunks or None)
     gen = torch.Generator().manual_seed(5)
     cu = [0, 1, 64, 64, 450, 700]  # a 1-token run, a full chunk, a zero-length document, ragged ends
     H = 2
@@ -164,7 +165,7 @@ def test_emulated_output_matches_torch_backend(monkeypatch, seg_chunks, sms):
 @pytest.mark.parametrize("seg_chunks", ["", "2"])
 def test_emulated_output_on_a_kcp_piece(monkeypatch, seg_chunks):
     """Runs that start inside their document (rank 1 of 2 and 3) open with a partial chunk."""
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", seg_chunks)
+    set_tuning(monkeypatch, fwd_seg_chunks=seg_chunks or None)
     gen = torch.Generator().manual_seed(8)
     cu = [0, 130, 700, 1337]
     H = 2
@@ -184,7 +185,7 @@ def test_emulated_output_on_a_kcp_piece(monkeypatch, seg_chunks):
 
 
 def test_emulated_summaries_match_torch_backend(monkeypatch):
-    monkeypatch.setenv("KDA_KCP_SEG_CHUNKS", "2")
+    set_tuning(monkeypatch, fwd_seg_chunks=2)
     gen = torch.Generator().manual_seed(6)
     cu = [0, 300, 300, 520]
     H = 1
@@ -201,10 +202,10 @@ def test_emulated_summaries_match_torch_backend(monkeypatch):
 def test_segment_choice_is_pure_and_covers_runs():
     doc_chunks = [math.ceil(n / CHUNK) for n in (42024, 57573, 73122, 88673)]
     for H in (4, 16, 64):
-        L = choose_segment_chunks(doc_chunks, H, 132)
-        assert L == choose_segment_chunks(doc_chunks, H, 132)
-        t1 = model_time(doc_chunks, H, 132, max(doc_chunks))
-        tL = model_time(doc_chunks, H, 132, L)
+        L = fwd_segment_chunks(doc_chunks, H, 132)
+        assert L == fwd_segment_chunks(doc_chunks, H, 132)
+        t1 = fwd_model_time(doc_chunks, H, 132, max(doc_chunks))
+        tL = fwd_model_time(doc_chunks, H, 132, L)
         print(f"H={H}: segment {L} chunks, model {tL:.0f} steps (unsegmented {t1:.0f})")
         assert tL <= t1
     cu = [0, 5000, 5000, 9000, 9001]
