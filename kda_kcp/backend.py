@@ -10,17 +10,73 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from .archs import KERNEL_CAPABILITIES
 from .torch_backend import TorchBackend
 
-__all__ = ["select_backend", "KERNEL_CAPABILITIES", "BackendUnavailable"]
+__all__ = ["Backend", "TORCH", "select_backend", "KERNEL_CAPABILITIES", "BackendUnavailable"]
 
-# compute capabilities the library builds kernels for: sm_90a, sm_100a, sm_103a
-KERNEL_CAPABILITIES = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
 
-_TORCH = TorchBackend()
+@runtime_checkable
+class Backend(Protocol):
+    """What the shared core (kda_kcp.function, workspace, states, validate, fla, demo) asks of a backend: TorchBackend
+    (kda_kcp.torch_backend) and CudaBackend (kda_kcp.cuda) implement it, and the core never asks which one it has.
+    Tensors are [T, H, *] local tokens; ``plan`` is the context's LocalPlan; ``arena`` a kda_kcp.arena.Arena or None.
+    """
+
+    name: str  # for messages, logging and cache keys only
+    uses_arena: bool  # whether its scratch is carved from the workspace's arena (else it uses the exchange part only)
+
+    def describe(self, device) -> str:
+        """One line for the user: what runs tensors on ``device``, and why."""
+
+    def check_supported(self, q, k, v, g, beta) -> None:
+        """Raise for dtypes and head dims this backend does not take (after the shared shape checks)."""
+
+    def check_head_dims(self, head_dim: int, value_dim: int) -> None:
+        """Raise for head dims this backend does not take (a byte query's)."""
+
+    def check_call(self, q, k, v, g, beta, plan) -> None:
+        """This backend's checks of one call, before the ranks agree (kda_kcp.agreement)."""
+
+    def summary_dtype(self, *xs: torch.Tensor) -> torch.dtype:
+        """The dtype of the summaries, states and exchange of a call on ``xs``."""
+
+    def input_dtypes(self, q, k, v, g, beta) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """(q/k/v, g, beta) dtypes this backend computes inputs of these dtypes in (kda_kcp.fla converts to them)."""
+
+    def grad_output(self, do: torch.Tensor) -> torch.Tensor:
+        """The output gradient in the dtype this backend's backward reads."""
+
+    def table_knobs(self) -> tuple:
+        """What the backend's tables depend on besides the shapes (a key of caches computed from them)."""
+
+    def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
+        """Put every index table a call of ``ctx`` at ``num_heads`` reads on ``device`` now."""
+
+    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False):
+        """One forward call's records: ``.summaries(run_ids, arena)``, ``.output(state_in)``, ``.reserve_early()``."""
+
+    def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None):
+        """One backward call's records: ``.summaries(run_ids, arena)``, ``.grads(state_in, dstate_out)``."""
+
+    def fwd_output(self, q, k, v, g, beta, scale, plan, state_in=None, arena=None):
+        """o of every run from its incoming state."""
+
+    def fwd_summaries(self, q, k, v, g, beta, scale, plan, run_ids, arena=None):
+        """(M, E) of the listed runs from a zero state."""
+
+    def bwd_summaries(self, q, k, v, g, beta, do, scale, plan, run_ids, arena=None):
+        """(M^T, F) of the listed runs from a zero state gradient."""
+
+    def bwd_grads(self, q, k, v, g, beta, do, scale, plan, state_in=None, dstate_out=None, arena=None, passes=None):
+        """(dq, dk, dv, dg, dbeta) of every run from its incoming state and outgoing state gradient."""
+
+
+TORCH = TorchBackend()  # one for every device and mode: it keeps no state of either
 _cuda_backends: dict[bool, object] = {}
 _warned_fallback = False
 
@@ -60,11 +116,11 @@ def select_backend(device: torch.device, deterministic: bool):
 def _select(device: torch.device, deterministic: bool, forced: str):
     global _warned_fallback
     if forced == "torch":
-        return _TORCH
+        return TORCH
     if device.type != "cuda":
         if forced == "cuda":
             raise BackendUnavailable(f"KDA_KCP_BACKEND=cuda, but the tensors are on {device}, not a CUDA device")
-        return _TORCH
+        return TORCH
     cap = torch.cuda.get_device_capability(device)
     if cap not in KERNEL_CAPABILITIES:
         if forced == "cuda":
@@ -80,7 +136,7 @@ def _select(device: torch.device, deterministic: bool, forced: str):
                 RuntimeWarning,
                 stacklevel=4,
             )
-        return _TORCH
+        return TORCH
     from .jit import KernelBuildError
 
     try:
@@ -97,4 +153,4 @@ def _select(device: torch.device, deterministic: bool, forced: str):
                 RuntimeWarning,
                 stacklevel=4,
             )
-        return _TORCH
+        return TORCH

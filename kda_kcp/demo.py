@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
 import kda_kcp
-from kda_kcp.backend import KERNEL_CAPABILITIES, select_backend
+from kda_kcp.backend import select_backend
 from kda_kcp.reference import naive_kda
 
 DOCS = (300, 37, 1, 0, 211, 129)
@@ -88,21 +88,7 @@ def timed(fn, device):
 
 def backend_line(device) -> str:
     """Which backend runs tensors on ``device``, and why."""
-    backend = select_backend(device, True)
-    if backend.name == "cuda":
-        arch = KERNEL_CAPABILITIES[torch.cuda.get_device_capability(device)]
-        return f"CUDA kernels, {arch} ({torch.cuda.get_device_name(device)})"
-    if os.environ.get("KDA_KCP_BACKEND", "").strip().lower() == "torch":
-        why = "KDA_KCP_BACKEND=torch"
-    elif device.type != "cuda":
-        why = "no CUDA device"
-    elif torch.cuda.get_device_capability(device) not in KERNEL_CAPABILITIES:
-        major, minor = torch.cuda.get_device_capability(device)
-        why = f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; kernels exist for " + ", ".join(
-            sorted(KERNEL_CAPABILITIES.values()))
-    else:
-        why = "the CUDA kernels could not be loaded (the warning above says why)"
-    return f"torch ({why})"
+    return select_backend(device, True).describe(device)
 
 
 def row_labels(world: int) -> list[str]:

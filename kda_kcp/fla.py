@@ -18,7 +18,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from .backend import select_backend
+from .backend import TORCH, select_backend
 from .context import KcpContext, build_context_kcp
 from .library import chunk_kda_op
 from .partition import check_cu_seqlens
@@ -306,12 +306,9 @@ def chunk_kda(
 
     from . import _package, chunk_kda_kcp  # the facade (this module is imported by the package's __init__)
 
-    if q.is_cuda and select_backend(q.device, _package(deterministic).DETERMINISTIC).name == "cuda":
-        qkv_dtype, g_dtype, beta_dtype = torch.bfloat16, torch.float32, torch.bfloat16
-    else:
-        qkv_dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-        g_dtype = g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32
-        beta_dtype = beta.dtype
+    # off the GPU the torch backend runs (or, with KDA_KCP_BACKEND=cuda, the call raises at its checks)
+    backend = select_backend(q.device, _package(deterministic).DETERMINISTIC) if q.is_cuda else TORCH
+    qkv_dtype, g_dtype, beta_dtype = backend.input_dtypes(q, k, v, g, beta)
     if HV != H:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
 

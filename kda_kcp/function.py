@@ -26,7 +26,6 @@ from .arena import Arena, aligned
 from .backend import select_backend
 from .context import KcpContext
 from .exchange import gather_summaries
-from .torch_backend import compute_dtype
 from .states import doc_runs, final_states, initial_state_grad, run_rows
 from .validate import (check_final_state_grad, check_flag, check_grad_output, check_initial_state, check_inputs,
                        check_scale, check_values, values_requested)
@@ -66,10 +65,6 @@ class KdaSaved:
         return run_rows(self.initial_state, docs, dtype)
 
 
-def _summary_dtype(backend, *xs) -> torch.dtype:
-    return torch.float32 if backend.name == "cuda" else compute_dtype(*xs)
-
-
 def local_arena_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None,
                       passes: int | None = None) -> int:
     """Arena bytes of the larger of a forward and a backward call of this context on ``backend``
@@ -83,21 +78,20 @@ def arena_parts(ctx, num_heads: int, backend, device, head_dim: int = 128, value
     carves. The calls' own steps run on meta inputs with an arena that only counts (``Arena.count_only``): the
     carves happen as in a call, nothing is launched or exchanged. The forward runs with and without its early output
     pass (a checkpoint's recomputation has none), so the size fits either."""
-    if backend.name != "cuda":
+    if not backend.uses_arena:
         return 0, 0
     H, K, V = num_heads, head_dim, value_dim or head_dim
-    if (K, V) != (128, 128):
-        raise ValueError(f"the CUDA backend supports head dim 128 only, got head_dim={K}, value_dim={V}")
+    backend.check_head_dims(K, V)
     T, meta = ctx.local_tokens, torch.device("meta")
     q, k, v, do = (torch.empty(T, H, n, dtype=torch.bfloat16, device=meta) for n in (K, K, V, V))
     g = torch.empty(T, H, K, dtype=torch.float32, device=meta)
     beta = torch.empty(T, H, dtype=torch.bfloat16, device=meta)
-    dt = _summary_dtype(backend)
+    dt = backend.summary_dtype(q, k, v, g, beta)
     fwd, saved = 0, None
     for walk_early in (True, False) if ctx.plan.needs_exchange else (False,):
         arena = Arena.count_only(device)
-        call = ForwardCall.checked(backend, q, k, v, g, beta, ctx, K**-0.5, backend.deterministic, dt, None, arena,
-                                   None, walk_early)
+        # (the mode flag only travels in KdaSaved to the caller's backward: no step reads it)
+        call = ForwardCall.checked(backend, q, k, v, g, beta, ctx, K**-0.5, True, dt, None, arena, None, walk_early)
         call.finish()
         fwd, saved = max(fwd, arena.peak), call.saved
     arena = Arena.count_only(device)
@@ -109,14 +103,14 @@ def _prepare(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, i
     """This rank's checks of one forward call (agreed with every rank by ``agree_call``), then its workspace
     split: (backend, scale, summary dtype, exchange buffer, arena)."""
     backend = select_backend(q.device if isinstance(q, torch.Tensor) else torch.device("cpu"), deterministic)
-    check_inputs(q, k, v, g, beta, ctx, backend.name)
+    check_inputs(q, k, v, g, beta, ctx, backend)
     scale = check_scale(scale, q.shape[-1])
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
     if values_requested(validate):
         check_values(g, beta, q, k, v)
     backend.check_call(q, k, v, g, beta, ctx.local)
-    dt = _summary_dtype(backend, q, k, v, g, beta)
+    dt = backend.summary_dtype(q, k, v, g, beta)
     check_flag("output_final_state", output_final_state)
     check_initial_state(initial_state, ctx.num_docs, q, v, dt)
     xbuf, arena = _split_workspace(workspace, ctx, backend, q.shape[1], q.shape[2], v.shape[2], dt, q.device)
@@ -163,7 +157,7 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     """(exchange buffer or None, Arena or None) of one call; the workspace's size and device are checked
     here, before any kernel runs."""
     if workspace is None:
-        return None, (Arena(None, device) if backend.name == "cuda" else None)
+        return None, (Arena(None, device) if backend.uses_arena else None)
     need = _workspace_need(ctx, H, backend, device, K, V, dt, workspace.lean_passes)
     if workspace.nbytes < need:
         raise ValueError(
@@ -176,7 +170,7 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     numel = exchange_elements(ctx, H, K, V)
     xbuf = workspace.take(numel, dt, device, "the KCP exchange") if numel else None
     arena = None
-    if backend.name == "cuda":
+    if backend.uses_arena:
         start = aligned(numel * dt.itemsize)
         arena = workspace.arena(start, need, device)
     return xbuf, arena
@@ -275,7 +269,7 @@ class ForwardCall:
             early = None
             if walk_early is None:
                 walk_early = not _in_backward()
-            if hasattr(self.prepared, "reserve_early") and walk_early and initial_state is None:
+            if walk_early and initial_state is None:
                 early = self.prepared.reserve_early()  # its scratch carved before the exchange's
             state_in = q.new_empty(local.num_runs, H, K, V, dtype=dt)  # saved for the backward: not scratch
             _exchange_and_merge(ctx, self.prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q,
@@ -325,7 +319,7 @@ def _backward_checks(do, saved, ctx, workspace, dht):
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
     backend.check_call(q, saved.k, v, saved.g, saved.beta, ctx.local)
-    dt = _summary_dtype(backend, q, saved.k, v, saved.g, saved.beta)
+    dt = backend.summary_dtype(q, saved.k, v, saved.g, saved.beta)
     xbuf, arena = _split_workspace(workspace, ctx, backend, q.shape[1], q.shape[2], v.shape[2], dt, q.device)
     return backend, dt, xbuf, arena
 
@@ -351,9 +345,7 @@ def _backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace, dht=N
     """``backward_kcp`` once its checks have passed (``arena_parts`` sizes a call this way, on an arena that only
     counts)."""
     q, k, v, g, beta, h0 = saved.q, saved.k, saved.v, saved.g, saved.beta, saved.initial_state
-    if backend.name == "cuda":
-        do = do.to(torch.bfloat16)  # the kernels read the output's dtype
-    do = do.contiguous()
+    do = backend.grad_output(do).contiguous()
     plan, local = ctx.plan, ctx.local
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
     docs = doc_runs(ctx, q.device) if h0 is not None or dht is not None else None

@@ -61,9 +61,8 @@ def _context(ctx_handle, cu_seqlens, packed_rows: int, num_tokens: int):
 
 def _state_dtype(q, k, v, g, beta, deterministic: bool) -> torch.dtype:
     from .backend import select_backend
-    from .function import _summary_dtype
 
-    return _summary_dtype(select_backend(q.device, deterministic), q, k, v, g, beta)
+    return select_backend(q.device, deterministic).summary_dtype(q, k, v, g, beta)
 
 
 # the schemas are inferred from these annotations (typing.Optional: what every torch since 2.4 reads)

@@ -11,14 +11,19 @@ computed in FP32). The CUDA backend (``kda_kcp.cuda``) implements the same four 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .archs import KERNEL_CAPABILITIES
 from .chunk import Prep, chunk_grads, chunk_prep, fwd_o
 from .plan import LocalPlan
 from .status import domain_error
 from .walk import Steps, reverse_walk, state_walk
 
 __all__ = ["TorchBackend", "compute_dtype"]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -73,12 +78,62 @@ class _Prepared:
         self.summaries = summaries
         self.output = self.grads = local
 
+    def reserve_early(self):
+        return None  # no early output pass: the output pass recomputes what it reads
+
 
 class TorchBackend:
     """The reference stages in torch (any device, FP32 or FP64). Its scratch is torch's own: the ``arena``
     arguments are accepted for the common interface and not used (it carves nothing)."""
 
     name = "torch"
+    uses_arena = False
+
+    @staticmethod
+    def describe(device) -> str:
+        """Why the torch backend runs tensors on ``device``."""
+        device = torch.device(device)
+        if os.environ.get("KDA_KCP_BACKEND", "").strip().lower() == "torch":
+            why = "KDA_KCP_BACKEND=torch"
+        elif device.type != "cuda":
+            why = "no CUDA device"
+        elif torch.cuda.get_device_capability(device) not in KERNEL_CAPABILITIES:
+            major, minor = torch.cuda.get_device_capability(device)
+            why = f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; kernels exist for " + ", ".join(
+                sorted(KERNEL_CAPABILITIES.values()))
+        else:
+            why = "the CUDA kernels could not be loaded (the warning above says why)"
+        return f"torch ({why})"
+
+    @staticmethod
+    def check_supported(q, k, v, g, beta) -> None:
+        """Floating inputs, k and v in q's dtype, g FP32 or FP64; any head dims."""
+        if q.dtype not in _FLOATS:
+            raise TypeError(f"q must be a floating tensor (bfloat16, float16, float32, float64), got {q.dtype}")
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+        if g.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"g must be float32 (or float64 on the torch backend), got {g.dtype}")
+        if beta.dtype not in _FLOATS:
+            raise TypeError(f"beta must be a floating tensor, got {beta.dtype}")
+
+    @staticmethod
+    def check_head_dims(head_dim: int, value_dim: int) -> None:
+        return None  # any size
+
+    @staticmethod
+    def summary_dtype(*xs: torch.Tensor) -> torch.dtype:
+        return compute_dtype(*xs)
+
+    @staticmethod
+    def input_dtypes(q, k, v, g, beta) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        qkv = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        return qkv, (g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32), beta.dtype
+
+    @staticmethod
+    def grad_output(do: torch.Tensor) -> torch.Tensor:
+        return do  # computed in compute_dtype at the gather
 
     def table_knobs(self) -> tuple:
         return ()  # no tables, no carves

@@ -12,9 +12,6 @@ from .exchange import collective_device
 __all__ = ["check_inputs", "check_grad_output", "check_scale", "check_flag", "values_requested", "check_values",
            "check_initial_state", "check_final_state_grad"]
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
 def check_flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -46,8 +43,9 @@ def _tensor(name: str, x, dims: int, what: str, **shape) -> torch.Tensor:
     return x
 
 
-def check_inputs(q, k, v, g, beta, ctx, backend_name: str) -> None:
-    """Types, shapes, dtypes, devices and contiguity of one call's inputs against its context."""
+def check_inputs(q, k, v, g, beta, ctx, backend) -> None:
+    """Types, shapes, devices and contiguity of one call's inputs against its context, then ``backend``'s own
+    rules (dtypes, head dims: ``Backend.check_supported``)."""
     from .context import KcpContext
 
     if not isinstance(ctx, KcpContext):
@@ -90,26 +88,7 @@ def check_inputs(q, k, v, g, beta, ctx, backend_name: str) -> None:
             f"the context's group communicates on {collective_device(ctx.group).type} but the inputs are on "
             f"{device}; use NCCL with CUDA tensors and gloo with CPU tensors"
         )
-    if backend_name == "cuda":
-        for name, x, want in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
-                              ("g", g, torch.float32), ("beta", beta, torch.bfloat16)):
-            if x.dtype != want:
-                raise TypeError(f"{name} must be {want} on the CUDA backend, got {x.dtype}")
-        if K != 128 or v.shape[2] != 128:
-            raise ValueError(
-                f"the CUDA backend supports head dim 128 only, got K = {K}, V = {v.shape[2]} "
-                "(KDA_KCP_BACKEND=torch runs any size)"
-            )
-        return
-    if q.dtype not in _FLOATS:
-        raise TypeError(f"q must be a floating tensor (bfloat16, float16, float32, float64), got {q.dtype}")
-    for name, x in (("k", k), ("v", v)):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    if g.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"g must be float32 (or float64 on the torch backend), got {g.dtype}")
-    if beta.dtype not in _FLOATS:
-        raise TypeError(f"beta must be a floating tensor, got {beta.dtype}")
+    backend.check_supported(q, k, v, g, beta)
 
 
 def check_values(g, beta, q, k, v) -> None:

@@ -21,6 +21,7 @@ import copy
 
 import torch
 
+from .archs import KERNEL_CAPABILITIES
 from .arena import Arena, aligned
 from .exchange import summary_elements
 from .library import new_handle
@@ -103,7 +104,6 @@ def _planned_sizes(ctx, num_heads, deterministic, passes, head_dim, value_dim, d
     context's local plan kept per SM count, so they never mix with the tables of a real device."""
     from dataclasses import replace
 
-    from .backend import KERNEL_CAPABILITIES
     from .cuda import CudaBackend
     from .cuda.common import planning_sm_count
 

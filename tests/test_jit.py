@@ -253,7 +253,7 @@ def test_failure_falls_back_to_torch_with_one_warning(env, monkeypatch, tmp_path
         warnings.simplefilter("always")
         first = backend.select_backend(DEVICE, True)
         second = backend.select_backend(DEVICE, False)
-    assert first is backend._TORCH and second is backend._TORCH
+    assert first is backend.TORCH and second is backend.TORCH
     msgs = kda_warnings(record)
     assert len(msgs) == 1 and cause in msgs[0] and "KDA_KCP_BACKEND=torch" in msgs[0], msgs
     monkeypatch.setenv("KDA_KCP_BACKEND", "cuda")

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import kda_kcp
+from kda_kcp.backend import TORCH
+from kda_kcp.cuda import CudaBackend
 from kda_kcp.validate import check_inputs
 from helpers import make_inputs, offsets
 
@@ -76,7 +78,7 @@ def test_tokens_do_not_match_the_context(args):
     two = kda_kcp.KcpContext(ctx.cu_seqlens, "contiguous", None, 2, 0, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"q has T = 70 tokens but rank 0 holds 35 of the context's 70 tokens; "
                                          r"pass ctx.shard\(x\)"):
-        check_inputs(*inputs, two, "torch")
+        check_inputs(*inputs, two, TORCH)
 
 
 def test_dtype_mismatch(args):
@@ -152,7 +154,7 @@ def test_cuda_backend_rules_checked_before_any_kernel(args):
     """The CUDA backend takes BF16 q/k/v/beta, FP32 g and head dim 128 only (checked on the host)."""
     inputs, _, ctx = args
     with pytest.raises(TypeError, match="q must be torch.bfloat16 on the CUDA backend"):
-        check_inputs(*inputs, ctx, "cuda")
+        check_inputs(*inputs, ctx, CudaBackend(True))
     bf = [x.bfloat16() if i != 3 else x for i, x in enumerate(inputs)]
     with pytest.raises(ValueError, match="head dim 128 only, got K = 16, V = 8"):
-        check_inputs(*bf, ctx, "cuda")
+        check_inputs(*bf, ctx, CudaBackend(True))

@@ -13,14 +13,16 @@ from __future__ import annotations
 import torch
 
 from .. import status
+from ..archs import KERNEL_CAPABILITIES
 from . import backward, forward, tuning
-from .common import check_grid_bounds
+from .common import _D, check_grid_bounds
 
 __all__ = ["CudaBackend"]
 
 
 class CudaBackend:
     name = "cuda"
+    uses_arena = True  # every scratch buffer is carved from the call's arena (kda_kcp.function)
 
     def __init__(self, deterministic: bool = True):
         # no kernel reduces with atomics yet: one implementation serves both packages
@@ -37,6 +39,43 @@ class CudaBackend:
         backward.load(device)
         status.word(device)  # made here, before any call (and so outside any CUDA graph capture)
         self._loaded.add(key)
+
+    @staticmethod
+    def describe(device) -> str:
+        arch = KERNEL_CAPABILITIES[torch.cuda.get_device_capability(device)]
+        return f"CUDA kernels, {arch} ({torch.cuda.get_device_name(device)})"
+
+    @staticmethod
+    def check_supported(q, k, v, g, beta) -> None:
+        """BF16 q, k, v, beta, FP32 g, head dim 128."""
+        for name, x, want in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
+                              ("g", g, torch.float32), ("beta", beta, torch.bfloat16)):
+            if x.dtype != want:
+                raise TypeError(f"{name} must be {want} on the CUDA backend, got {x.dtype}")
+        K, V = q.shape[2], v.shape[2]
+        if K != _D or V != _D:
+            raise ValueError(
+                f"the CUDA backend supports head dim 128 only, got K = {K}, V = {V} "
+                "(KDA_KCP_BACKEND=torch runs any size)"
+            )
+
+    @staticmethod
+    def check_head_dims(head_dim: int, value_dim: int) -> None:
+        if (head_dim, value_dim) != (_D, _D):
+            raise ValueError(
+                f"the CUDA backend supports head dim 128 only, got head_dim={head_dim}, value_dim={value_dim}")
+
+    @staticmethod
+    def summary_dtype(*xs: torch.Tensor) -> torch.dtype:
+        return torch.float32  # FP32 summaries, states and exchange for any input dtype
+
+    @staticmethod
+    def input_dtypes(q, k, v, g, beta) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        return torch.bfloat16, torch.float32, torch.bfloat16
+
+    @staticmethod
+    def grad_output(do: torch.Tensor) -> torch.Tensor:
+        return do.to(torch.bfloat16)  # the kernels read the output's dtype
 
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
         """Build every index table a call of ``ctx`` at ``num_heads`` reads and put it on ``device`` now
