@@ -33,10 +33,12 @@ from kda_kcp.arena import Arena
 from kda_kcp.chunk import Prep, _masks, _prep_slab
 from kda_kcp.cuda import CudaBackend, forward
 from kda_kcp.cuda import backward as cb
+from kda_kcp.cuda import bwd_layout, bwd_tables
 from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.reference import naive_kda
 from kda_kcp.torch_backend import TorchBackend, _chunk_set
 from kda_kcp.walk import reverse_walk, state_walk
+import records
 from helpers import gather_global, run_distributed, set_tuning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,9 +133,9 @@ def _case(cu, H, seed, steep_docs=()):
 def _prep(emu, plan, inputs):
     q, k, v, g, beta = inputs
     H = q.shape[1]
-    chunks, runs = cb._tables(plan, "cpu")
+    chunks, runs = bwd_tables.chunk_tables(plan, "cpu")
     nc = chunks.shape[0]
-    prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8)
+    prep = torch.full((nc * H * bwd_layout.PREP_BYTES,), 255, dtype=torch.uint8)
     assert emu.e_prep(*map(_p, (q, k, v, g, beta, chunks)), nc, H, ctypes.c_float(SCALE), _p(prep), None) == 0
     return chunks, runs, prep
 
@@ -201,15 +203,15 @@ def test_records_walks_and_summaries(emu):
     bc = cs.gather(inputs[4].unsqueeze(-1), torch.float32).squeeze(-1)
     incl, strict = _masks(64, "cpu")
     G, pw, P, A, Kexp, W, U, Aqk, Qg, Kg, gamma = _prep_slab(qc, kc, vc, gc, bc, SCALE, incl, strict)
-    rec = prep.view(nc, H, cb.PREP_BYTES)
+    rec = prep.view(nc, H, bwd_layout.PREP_BYTES)
 
     def field(off, nbytes, dtype, shape):
         return rec[:, :, off:off + nbytes].contiguous().view(dtype).reshape(nc, H, *shape).float()
 
     mine = {"W": field(0, 16384, torch.bfloat16, (64, 128)), "Kg": field(16384, 16384, torch.bfloat16, (64, 128)),
-            "U": cb.record_u(rec), "gamma": field(131072, 512, torch.float32, (128,)),
+            "U": records.record_u(rec), "gamma": field(131072, 512, torch.float32, (128,)),
             # A hi (the record holds no lo: kda_bwd.h); the upper blocks are not written (still the 0xFF poison)
-            "A": field(65536, 8192, torch.bfloat16, (64, 64)).where(cb.record_lower_blocks(), 0.0)}
+            "A": field(65536, 8192, torch.bfloat16, (64, 64)).where(records.record_lower_blocks(), 0.0)}
     ref = {"W": W, "Kg": Kg, "U": U, "gamma": gamma, "A": A}
     for name in mine:
         e = _rel(mine[name], ref[name])
@@ -242,17 +244,17 @@ def _walk_outputs(lib, plan, inputs, do, sin, dso, warps):
     H, R = inputs[0].shape[1], plan.num_runs
     chunks, runs, prep = _prep(lib, plan, inputs)
     nc = chunks.shape[0]
-    rec = prep.view(nc, H, cb.PREP_BYTES)
+    rec = prep.view(nc, H, bwd_layout.PREP_BYTES)
     # the summaries first: the forward walk writes V_new over U (the library's order too)
     m, e, mt, f = (torch.full((R, H, 128, 128), float("nan")) for _ in range(4))
     assert lib.e_fwd_summary(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(m), _p(e), warps) == 0
     assert lib.e_rev_summary(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(mt), _p(f), warps) == 0
-    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full(cb.scaled_state_shape(nc, H), 255, dtype=torch.uint8)  # NaN words and powers
+    h = torch.full(bwd_layout.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    dh = torch.full(bwd_layout.scaled_state_shape(nc, H), 255, dtype=torch.uint8)  # NaN words and powers
     assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, _p(sin), None, None, _p(h), warps) == 0
     assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, _p(dso), None, None, _p(dh), warps) == 0
-    vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
-    return {"h": cb.hi_states(h), "dh": cb.scaled_states(dh), "M": m, "E": e, "Mt": mt, "F": f, "V_new": vn,
+    vn, dvn = (records.walk_tiles(rec, off) for off in (records.REC_VN, records.REC_DVN))
+    return {"h": records.hi_states(h), "dh": records.scaled_states(dh), "M": m, "E": e, "Mt": mt, "F": f, "V_new": vn,
             "dV_new": dvn}
 
 
@@ -274,8 +276,8 @@ def _walked(lib, plan, inputs, do):
     H, R = inputs[0].shape[1], plan.num_runs
     chunks, runs, prep = _prep(lib, plan, inputs)
     nc = chunks.shape[0]
-    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
-    dh = torch.full(cb.scaled_state_shape(nc, H), 255, dtype=torch.uint8)  # NaN words and powers
+    h = torch.full(bwd_layout.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16)
+    dh = torch.full(bwd_layout.scaled_state_shape(nc, H), 255, dtype=torch.uint8)  # NaN words and powers
     assert lib.e_fwd_walk(_p(prep), _p(chunks), nc, _p(runs), R, H, None, None, None, _p(h), 8) == 0
     assert lib.e_rev_walk(_p(do), _p(prep), _p(chunks), nc, _p(runs), R, H, None, None, None, _p(dh), 8) == 0
     return chunks, prep, h, dh
@@ -547,10 +549,10 @@ def test_backward_u_scale(emu, monkeypatch):
 
     def record(vv):
         chunks, _, prep = _prep(emu, plan, (q, k, vv, g, beta))
-        rec = prep.view(chunks.shape[0], H, cb.PREP_BYTES)
-        words = rec[:, :, cb.REC_U : cb.REC_U + 32768].reshape(*rec.shape[:2], 64, 2, 256)[..., :128]
-        scale = rec[:, :, cb.REC_U + cb.U_SCALE_OFF : cb.REC_U + cb.U_SCALE_OFF + 4].contiguous().view(torch.float32)
-        return words.clone(), scale.clone(), cb.record_u(rec)
+        rec = prep.view(chunks.shape[0], H, bwd_layout.PREP_BYTES)
+        words = rec[:, :, records.REC_U : records.REC_U + 32768].reshape(*rec.shape[:2], 64, 2, 256)[..., :128]
+        scale = rec[:, :, records.REC_U + records.U_SCALE_OFF : records.REC_U + records.U_SCALE_OFF + 4].contiguous().view(torch.float32)
+        return words.clone(), scale.clone(), records.record_u(rec)
 
     w0, s0, _ = record(v)
     for f in (2.0**-40, 2.0**40):
@@ -591,7 +593,7 @@ def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_group
     set_tuning(monkeypatch, bwd_seg_chunks=0, bwd_walk_groups=max_groups)
     cu = [0, 70, 300, 330]
     plan, inputs, do, sin, dso = _case(cu, 1, 11)
-    groups = cb._walk_groups(plan, 1, "cpu")
+    groups = bwd_tables.walk_groups(plan, 1, "cpu")
     want = [[(0, 2), (6, 7)], [(2, 6)]] if max_groups == "2" else [[(6, 7)], [(0, 2)], [(2, 6)]]
     assert [grp.ranges for grp in groups] == want
     _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
@@ -609,7 +611,7 @@ def test_split_walks_are_bitwise_the_plain_backward(emu, monkeypatch, pieces):
     for cu, cap, seed in (([0, 70, 300, 330], "2", 13), ([0, 70, 300, 330], "4", 14), ([0, 250], "4", 15)):
         set_tuning(monkeypatch, bwd_walk_groups=cap)
         plan, inputs, do, sin, dso = _case(cu, 1, seed)
-        groups = cb._walk_groups(plan, 1, "cpu")
+        groups = bwd_tables.walk_groups(plan, 1, "cpu")
         longest = max(grp.fwalk[:, 1].max().item() for grp in groups)
         assert max(grp.pieces for grp in groups) == min(int(pieces), longest)
         for grp in groups:  # the blocks cover the group's chunks once
@@ -637,7 +639,7 @@ def test_pipelined_segmented_backward_is_bitwise_the_plain_one(emu, monkeypatch)
     set_tuning(monkeypatch, bwd_seg_chunks=2)
     cu = [0, 70, 300, 330]
     plan, inputs, do, sin, dso = _case(cu, 1, 12)
-    assert [grp.ranges for grp in cb._walk_groups(plan, 1, "cpu")] == [[(0, 4)], [(4, 7)]]
+    assert [grp.ranges for grp in bwd_tables.walk_groups(plan, 1, "cpu")] == [[(0, 4)], [(4, 7)]]
     _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
 
 
@@ -681,7 +683,7 @@ def test_segmented_kcp_summaries(emu, monkeypatch):
     got = {}
     for seg in ("0", "1", "2"):
         set_tuning(monkeypatch, bwd_summary_chunks=seg)
-        tabs = cb._summary_tables(plan, (1, 0, 2), "cpu", own_chunks=False, heads=2)
+        tabs = bwd_tables.summary_tables(plan, (1, 0, 2), "cpu", own_chunks=False, heads=2)
         assert (tabs.chains is None) == (seg == "0")
         got[seg] = cb.PreparedBackward(*inputs, do, SCALE, plan).summaries([1, 0, 2])
     for seg, (mt, f) in got.items():

@@ -20,7 +20,7 @@ import torch
 
 import kda_kcp
 import kda_kcp.function as function
-from kda_kcp.cuda import backward as cb
+from kda_kcp.cuda import bwd_layout
 from kda_kcp.cuda import forward
 from helpers import set_tuning
 from test_kernel_emulation import NAMES, SCALE, _build, _case, _p, _use_emulated_programs, _walked
@@ -40,7 +40,7 @@ def _grads_of(lib, inputs, do, walked, c0, c1, out):
     launches it) into ``out``."""
     chunks, prep, h, dh = walked
     H = inputs[0].shape[1]
-    rec = H * cb.PREP_BYTES
+    rec = H * bwd_layout.PREP_BYTES
     rc = lib.e_grads(*map(_p, (*inputs, do, chunks[c0:c1])), c1 - c0, H, _p(prep[c0 * rec:c1 * rec]), _p(h[c0:c1]),
                      _p(dh[c0:c1]), *map(_p, out), ctypes.c_float(SCALE), 16)
     assert rc == 0, f"the gradient kernel's launch on chunks [{c0}, {c1}) failed ({rc})"

@@ -5,7 +5,7 @@ Pure functions (CPU)."""
 import pytest
 
 from kda_kcp.cuda import CudaBackend, tuning
-from kda_kcp.cuda import backward as cb
+from kda_kcp.cuda import bwd_tables
 from kda_kcp.plan import LocalPlan, build_plan
 from helpers import set_tuning
 
@@ -195,8 +195,8 @@ def test_tables_key_on_the_override(monkeypatch):
     T = 64 * 40
     plan = LocalPlan(T, build_plan([0, T], [[(0, T)]]).rank_runs[0])
     chosen = tuning.bwd_segment_chunks([40], 4, 132)
-    assert cb._seg_tables(plan, 4, "cpu").seg_chunks == chosen != 10
+    assert bwd_tables.seg_tables(plan, 4, "cpu").seg_chunks == chosen != 10
     set_tuning(monkeypatch, bwd_seg_chunks=10)
-    assert cb._seg_tables(plan, 4, "cpu").seg_chunks == 10
+    assert bwd_tables.seg_tables(plan, 4, "cpu").seg_chunks == 10
     monkeypatch.delenv(tuning.ENV)
-    assert cb._seg_tables(plan, 4, "cpu").seg_chunks == chosen
+    assert bwd_tables.seg_tables(plan, 4, "cpu").seg_chunks == chosen

@@ -18,6 +18,7 @@ import kda_kcp.function as function
 from kda_kcp import status
 from kda_kcp.cuda import CudaBackend
 from kda_kcp.cuda import backward as cb
+from kda_kcp.cuda import bwd_layout, bwd_tables
 from kda_kcp.cuda import forward
 from helpers import with_value
 from test_kernel_emulation import SCALE, _build, _case, _p, _Programs, _use_emulated_programs
@@ -62,7 +63,7 @@ def _prep_bits(emu, plan, inputs, fwd=True):
     """(status word after the forward prep, after the backward prep) of every chunk of ``plan`` (``fwd`` False: the
     backward prep's alone)."""
     q, k, v, g, beta = inputs
-    chunks, _ = cb._tables(plan, "cpu")
+    chunks, _ = bwd_tables.chunk_tables(plan, "cpu")
     nc = chunks.shape[0]
     bits = []
     word = torch.zeros(1, dtype=torch.int32)
@@ -71,7 +72,7 @@ def _prep_bits(emu, plan, inputs, fwd=True):
         assert emu.e_fwd_prep(*map(_p, (q, k, g, beta, chunks)), nc, H, ctypes.c_float(SCALE), _p(ws), _p(word)) == 0
         bits.append(int(word[0]))
         word.zero_()
-    prep = torch.empty(nc * H * cb.PREP_BYTES, dtype=torch.uint8)
+    prep = torch.empty(nc * H * bwd_layout.PREP_BYTES, dtype=torch.uint8)
     assert emu.e_prep(*map(_p, (q, k, v, g, beta, chunks)), nc, H, ctypes.c_float(SCALE), _p(prep), _p(word)) == 0
     bits.append(int(word[0]))
     return tuple(bits)

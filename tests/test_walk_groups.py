@@ -1,9 +1,9 @@
-"""The pipelined backward's walk groups (kda_kcp.cuda.tuning.group_runs, backward._walk_groups): whole-run walks
+"""The pipelined backward's walk groups (kda_kcp.cuda.tuning.group_runs, bwd_tables.walk_groups): whole-run walks
 grouped by walk length so that each group's gradient kernel starts when its own walks end, segmented walks in two
 halves of the chunk table; the cap. Pure functions of the plan (CPU); the emulation tests check that every grouping
 gives the unpipelined gradients."""
 
-from kda_kcp.cuda import backward as cb
+from kda_kcp.cuda import bwd_tables
 from kda_kcp.cuda import tuning
 from kda_kcp.plan import LocalPlan, build_plan
 from helpers import set_tuning
@@ -34,9 +34,9 @@ def test_walk_groups_of_the_benchmark_batch(monkeypatch):
     for cap, want in ((None, [[(0, 657)], [(657, 1557)], [(1557, 4086)]]),
                       (2, [[(0, 1557)], [(1557, 4086)]])):
         set_tuning(monkeypatch, bwd_walk_groups=cap)
-        groups = cb._walk_groups(plan, 16, "cpu")
+        groups = bwd_tables.walk_groups(plan, 16, "cpu")
         assert [grp.ranges for grp in groups] == want
-        assert sum(grp.fwalk.shape[0] for grp in groups) == cb._seg_tables(plan, 16, "cpu").fwalk.shape[0]
+        assert sum(grp.fwalk.shape[0] for grp in groups) == bwd_tables.seg_tables(plan, 16, "cpu").fwalk.shape[0]
 
 
 def test_segmented_walks_in_halves(monkeypatch):
@@ -48,9 +48,9 @@ def test_segmented_walks_in_halves(monkeypatch):
     for n in BENCH_DOCS:
         cu.append(cu[-1] + n)
     plan = local_plan(cu)
-    st = cb._seg_tables(plan, 4, "cpu")
+    st = bwd_tables.seg_tables(plan, 4, "cpu")
     assert st.num_sum_f > 0 and st.num_sum_r > 0  # segmented
-    groups = cb._walk_groups(plan, 4, "cpu")
+    groups = bwd_tables.walk_groups(plan, 4, "cpu")
     assert len(groups) == 2
     (a0, a1), = groups[0].ranges
     (b0, b1), = groups[1].ranges
@@ -96,16 +96,16 @@ def test_kcp_summary_segments_compose_in_reverse(monkeypatch):
     chain per listed run; whole runs (bwd_summary_chunks=0) keep one row per run and no chains."""
     plan = local_plan([0, 700, 1000, 1960])  # runs of 11, 5 and 15 chunks
     monkeypatch.setenv(tuning.ENV, "bwd_summary_chunks=4")
-    tabs = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=False, heads=2)
+    tabs = bwd_tables.summary_tables(plan, (2, 0), "cpu", own_chunks=False, heads=2)
     rows, chains = tabs.rows.tolist(), tabs.chains.tolist()
     # run 2: chunks 16..30 in 4 segments (4, 4, 4, 3), last first; run 0: chunks 0..10 in 3 (4, 4, 3)
     assert chains == [[0, 4, -1, 0], [4, 3, -1, 1]]
     assert rows == [[28, 3, 0, 0], [24, 4, 1, 0], [20, 4, 2, 0], [16, 4, 3, 0],
                     [8, 3, 4, 0], [4, 4, 5, 0], [0, 4, 6, 0]]
-    own = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=True, heads=2)  # the lean path's own chunk table
+    own = bwd_tables.summary_tables(plan, (2, 0), "cpu", own_chunks=True, heads=2)  # the lean path's own chunk table
     assert own.chunks.shape[0] == 26 and own.rows[:, 0].tolist() == [12, 8, 4, 0, 23, 19, 15]
     monkeypatch.setenv(tuning.ENV, "bwd_summary_chunks=0")
-    whole = cb._summary_tables(plan, (2, 0), "cpu", own_chunks=False, heads=2)
+    whole = bwd_tables.summary_tables(plan, (2, 0), "cpu", own_chunks=False, heads=2)
     assert whole.chains is None and whole.rows.tolist() == [[16, 15, 0, 0], [0, 11, 1, 0]]
 
 
@@ -129,13 +129,13 @@ def test_walk_pieces_rule_and_tables(monkeypatch):
         cu.append(cu[-1] + n)
     plan = local_plan(cu)
     for H, want in ((4, 4), (16, 4), (64, 1)):
-        st = cb._seg_tables(plan, H, "cpu")
+        st = bwd_tables.seg_tables(plan, H, "cpu")
         assert tuning.bwd_walk_pieces(st.fwalk.shape[0], H, st.walk_warps, 132) == want, H
-    assert cb._walk_groups(plan, 64, "cpu") is not None  # unlike lengths: groups, each of one piece
-    assert all(grp.pieces == 1 for grp in cb._walk_groups(plan, 64, "cpu"))
+    assert bwd_tables.walk_groups(plan, 64, "cpu") is not None  # unlike lengths: groups, each of one piece
+    assert all(grp.pieces == 1 for grp in bwd_tables.walk_groups(plan, 64, "cpu"))
     monkeypatch.setenv(tuning.ENV, "bwd_walk_pieces=3")
     plan = local_plan([0, 768, 1728])  # runs of 12 and 15 chunks: alike, one group
-    (grp,) = cb._walk_groups(plan, 2, "cpu")
+    (grp,) = bwd_tables.walk_groups(plan, 2, "cpu")
     assert grp.pieces == 3 and grp.rows == 2
     rows = [p.tolist() for p in grp.fwd_pieces]
     firsts = {r[2]: r[0] for r in rows[0]}  # run -> its first chunk row

@@ -1,7 +1,7 @@
 """The backward walks' CTA width (kda_kcp.cuda.tuning.walk_warps and SegTables): 4 warps where a launch fits
 on the GPU at 4, else 8; the override. Pure functions of the shapes (CPU)."""
 
-from kda_kcp.cuda import backward as cb
+from kda_kcp.cuda import bwd_tables
 from kda_kcp.cuda import tuning
 from kda_kcp.plan import LocalPlan, build_plan
 from helpers import set_tuning
@@ -27,8 +27,8 @@ def test_segment_tables_choose_the_width(monkeypatch):
     single short document at H = 1 takes 4; the KCP exchange's summaries of 2 runs at H = 4 (32 SMs) take 4."""
     monkeypatch.delenv(tuning.ENV, raising=False)
     cu = [0, 42024, 99597, 172719, 261392]
-    st = cb.SegTables(local_plan(cu), 16, "cpu")
+    st = bwd_tables.SegTables(local_plan(cu), 16, "cpu")
     assert st.num_sum_f == 0 and st.walk_warps == 8
-    small = cb.SegTables(local_plan([0, 1000]), 1, "cpu")
+    small = bwd_tables.SegTables(local_plan([0, 1000]), 1, "cpu")
     assert small.walk_warps == 4
     assert tuning.bwd_rev_summary_warps(2, 4, 132) == 4

@@ -17,7 +17,7 @@ import kda_kcp
 import kda_kcp.backend
 import kda_kcp.function as function
 from kda_kcp.arena import Arena, aligned, tensor_bytes
-from kda_kcp.cuda import CudaBackend, backward, forward
+from kda_kcp.cuda import CudaBackend, backward, bwd_tables, forward
 from kda_kcp.workspace import exchange_elements
 from helpers import offsets, run_distributed, set_tuning
 
@@ -113,7 +113,7 @@ def _check_all_arenas(ctx, H):
     sizes = {arena: _check_exact(ctx, H, *arena) for arena in ARENAS}
     # one pass holds every chunk; the replay arena also holds the split walks' hand-off states (the lean passes
     # walk whole runs)
-    groups = backward._walk_groups(ctx.local, H, "cpu") if ctx.local.num_tokens else None
+    groups = bwd_tables.walk_groups(ctx.local, H, "cpu") if ctx.local.num_tokens else None
     handoff = sum(2 * tensor_bytes((grp.rows, H, 128, 128), torch.float32) for grp in groups or () if grp.pieces > 1)
     assert sizes[("lean", 1)] + handoff == sizes[("replay", None)]
     assert sizes[("lean", 3)] <= sizes[("lean", 2)] <= sizes[("replay", None)]
@@ -124,12 +124,12 @@ def _check_passes(plan, H):
     """Every chunk in exactly one pass; each pass's rows name the same chunks as the whole tables."""
     if plan.num_tokens == 0:
         return
-    st = backward._seg_tables(plan, H, "cpu")
-    chunks, _ = backward._tables(plan, "cpu")
+    st = bwd_tables.seg_tables(plan, H, "cpu")
+    chunks, _ = bwd_tables.chunk_tables(plan, "cpu")
     whole = {name: sorted(tuple(chunks[r[0]:r[0] + r[1]].flatten().tolist()) + tuple(r[1:])
                           for r in st.host[name]) for name in ("fwalk", "rwalk", "fsum", "rsum")}
     for passes in (1, 2, 3, 8):
-        lean = backward._lean_passes(plan, H, "cpu", passes)
+        lean = bwd_tables.lean_passes(plan, H, "cpu", passes)
         seen = sorted(t for p in lean for t in p.chunks[:, 0].tolist())
         assert seen == sorted(chunks[:, 0].tolist())
         for name in whole:

@@ -14,7 +14,7 @@ import torch
 
 from .. import status
 from ..archs import KERNEL_CAPABILITIES
-from . import backward, forward, tuning
+from . import backward, bwd_tables, forward, tuning
 from .common import _D, check_grid_bounds
 
 __all__ = ["CudaBackend"]
@@ -83,11 +83,11 @@ class CudaBackend:
         local, plan = ctx.local, ctx.plan
         forward.forward_tables(local, num_heads, device)
         forward.run_group_tables(local, num_heads, device)
-        backward._tables(local, device)
-        backward._seg_tables(local, num_heads, device)
-        backward._walk_groups(local, num_heads, device)
+        bwd_tables.chunk_tables(local, device)
+        bwd_tables.seg_tables(local, num_heads, device)
+        bwd_tables.walk_groups(local, num_heads, device)
         if passes is not None:
-            backward._lean_passes(local, num_heads, device, passes)
+            bwd_tables.lean_passes(local, num_heads, device, passes)
         if plan.needs_exchange:
             early = forward.early_runs(local)
             if early:  # the two output passes of a KCP forward
@@ -98,8 +98,8 @@ class CudaBackend:
             if plan.fwd_publish[ctx.rank]:
                 forward.forward_tables(local, num_heads, device, run_ids=plan.fwd_publish[ctx.rank])
             if plan.bwd_publish[ctx.rank]:
-                backward._summary_tables(local, tuple(plan.bwd_publish[ctx.rank]), device, own_chunks=passes is not None,
-                                         heads=num_heads)
+                bwd_tables.summary_tables(local, tuple(plan.bwd_publish[ctx.rank]), device,
+                                          own_chunks=passes is not None, heads=num_heads)
 
     # one call, prepared once: the chunk records serve the KCP summaries and the local pass
     def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False) -> forward.PreparedForward:

@@ -68,7 +68,7 @@ class NoKernels:
 def instrument(stub: bool) -> None:
     for owner, names in ((function, ("_prepare", "_split_workspace", "_workspace_need", "backward_kcp", "check_inputs",
                                      "check_grad_output", "select_backend")),
-                         (cuda_bwd, ("_tables", "_seg_tables", "_walk_groups", "_pipelined_walks_and_grads")),
+                         (cuda_bwd, ("chunk_tables", "seg_tables", "walk_groups", "pipelined_walks_and_grads")),
                          (cuda_fwd, ("forward_tables",))):
         for name in names:
             setattr(owner, name, timed(f"{owner.__name__.split('.')[-1]}.{name}", getattr(owner, name)))

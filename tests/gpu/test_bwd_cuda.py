@@ -15,11 +15,13 @@ from kda_kcp.reference import naive_kda
 
 from gpu_common import DEV, fresh_seed, local_plan, poison_like, random_docs, rel, require_kernel_gpu, set_tuning
 from gpu_common import make_inputs as _inputs
+import records  # noqa: E402  (tests/ is on the path through gpu_common)
 
 require_kernel_gpu("the CUDA backward tests")
 
 from kda_kcp import status  # noqa: E402
 from kda_kcp.cuda import backward as cb  # noqa: E402
+from kda_kcp.cuda import bwd_layout, bwd_tables  # noqa: E402
 from kda_kcp.cuda import tuning  # noqa: E402
 from kda_kcp.torch_backend import TorchBackend  # noqa: E402
 
@@ -61,17 +63,17 @@ def test_stages_match_torch_stages():
     inputs, do = make_inputs(T, H, gen)
     plan = local_plan(cu)
     mod = cb.load(DEV)
-    chunks, runs = cb._tables(plan, DEV)
+    chunks, runs = bwd_tables.chunk_tables(plan, DEV)
     nc = chunks.shape[0]
-    prep = torch.full((nc * H * cb.PREP_BYTES,), 255, dtype=torch.uint8, device=DEV)
-    h = torch.full(cb.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
-    dh = torch.full(cb.scaled_state_shape(nc, H), 255, dtype=torch.uint8, device=DEV)  # NaN words and powers
+    prep = torch.full((nc * H * bwd_layout.PREP_BYTES,), 255, dtype=torch.uint8, device=DEV)
+    h = torch.full(bwd_layout.hi_state_shape(nc, H), float("nan"), dtype=torch.bfloat16, device=DEV)
+    dh = torch.full(bwd_layout.scaled_state_shape(nc, H), 255, dtype=torch.uint8, device=DEV)  # NaN words and powers
     e0 = torch.empty(0, device=DEV)
     mod.bwd_prep(*inputs, chunks, prep, SCALE, status.word(DEV))
     again = torch.full_like(prep, 255)
     mod.bwd_prep(*inputs, chunks, again, SCALE, status.word(DEV))
     assert torch.equal(again, prep), "the prep's records are not bitwise repeatable"
-    rec = prep.view(nc, H, cb.PREP_BYTES)
+    rec = prep.view(nc, H, bwd_layout.PREP_BYTES)
 
     def field(off, nbytes, dtype, shape):
         return rec[:, :, off : off + nbytes].contiguous().view(dtype).reshape(nc, H, *shape).float()
@@ -82,7 +84,7 @@ def test_stages_match_torch_stages():
         "sQg": field(32768, 16384, torch.bfloat16, (64, 128)),
         "Aqk": field(49152, 8192, torch.bfloat16, (64, 64)) + field(57344, 8192, torch.bfloat16, (64, 64)),
         "A": field(65536, 8192, torch.bfloat16, (64, 64)),  # hi only (kda_bwd.h)
-        "U": cb.record_u(rec),
+        "U": records.record_u(rec),
         "P": field(114688, 16384, torch.float32, (64, 64)),
         "gamma": field(131072, 512, torch.float32, (128,)),
     }
@@ -90,14 +92,14 @@ def test_stages_match_torch_stages():
     mod.bwd_fwd_walk(prep, chunks, runs, e0, e0, e0, h, 8)
     mod.bwd_rev_walk(do, prep, chunks, runs, e0, e0, e0, dh, 8)
     torch.cuda.synchronize()
-    vn, dvn = (cb.walk_tiles(rec, off) for off in (cb.REC_VN, cb.REC_DVN))
+    vn, dvn = (records.walk_tiles(rec, off) for off in (records.REC_VN, records.REC_DVN))
     cs = _chunk_set(plan, range(plan.num_runs), DEV)
     qc, kc, vc, gc = (cs.gather(x, torch.float32) for x in inputs[:4])
     bc = cs.gather(inputs[4].unsqueeze(-1), torch.float32).squeeze(-1)
     incl, strict = _masks(64, DEV)
     G, pw, P, A, Kexp, W, U, Aqk, Qg, Kg, gamma = _prep_slab(qc, kc, vc, gc, bc, SCALE, incl, strict)
     ref = {"W": W, "Kg": Kg, "sQg": SCALE * Qg, "Aqk": Aqk, "A": A, "U": U, "P": P * strict, "gamma": gamma}
-    lower = cb.record_lower_blocks(DEV)  # Aqk, A and P: the prep leaves their strictly upper blocks unwritten
+    lower = records.record_lower_blocks(DEV)  # Aqk, A and P: the prep leaves their strictly upper blocks unwritten
     for name in ("Aqk", "A", "P"):
         mine[name] = mine[name].where(lower, 0.0)
     bad = []
@@ -114,7 +116,7 @@ def test_stages_match_torch_stages():
     dh_ref, _, _ = reverse_walk(pr, doc, cs.steps, SCALE, None)
     Vn = U - W @ h_ref
     dVn = Aqk.transpose(-1, -2) @ doc + Kg @ dh_ref
-    h, dh = cb.hi_states(h), cb.scaled_states(dh)
+    h, dh = records.hi_states(h), records.scaled_states(dh)
     for name, x, r in (("h", h, h_ref), ("dh", dh, dh_ref), ("V_new", vn, Vn), ("dV_new", dvn, dVn)):
         e = rel(x, r)
         print(f"stage walk {name}: rel vs torch-fp32 {e:.3e}")
@@ -287,7 +289,7 @@ def test_walk_groups_bitwise(monkeypatch):
     set_tuning(monkeypatch, bwd_pipeline=1)
     for cap in ("2", "3", "4"):
         set_tuning(monkeypatch, bwd_walk_groups=cap)
-        assert len(cb._walk_groups(plan, 4, DEV)) == int(cap)
+        assert len(bwd_tables.walk_groups(plan, 4, DEV)) == int(cap)
         got = run_bwd(inputs, do, plan, sin, dso)
         for name, a, b in zip(NAMES, got, plain):
             assert torch.isfinite(a.float()).all(), (cap, name)
@@ -313,7 +315,7 @@ def test_split_walks_bitwise(monkeypatch):
         set_tuning(monkeypatch, bwd_pipeline=1)
         for pieces in ("4", "7", ""):
             set_tuning(monkeypatch, bwd_walk_pieces=pieces or None)
-            groups = cb._walk_groups(plan, 4, DEV)
+            groups = bwd_tables.walk_groups(plan, 4, DEV)
             assert max(grp.pieces for grp in groups) == int(pieces or tuning.WALK_PIECES)
             got = run_bwd(inputs, do, plan, sin, dso)
             for name, a, b in zip(NAMES, got, plain):
@@ -327,7 +329,7 @@ def test_segment_halves_bitwise(monkeypatch):
     each half's gradients once its walks end, against the unpipelined backward (bwd_pipeline=0): every
     gradient bitwise equal, with incoming states and outgoing gradients."""
     inputs, do, plan, sin, dso = _walk_case(SEED + 31, "3", monkeypatch)
-    assert len(cb._walk_groups(plan, 4, DEV)) == 2
+    assert len(bwd_tables.walk_groups(plan, 4, DEV)) == 2
     set_tuning(monkeypatch, bwd_pipeline=0)
     plain = run_bwd(inputs, do, plan, sin, dso)
     set_tuning(monkeypatch, bwd_pipeline=1)

@@ -1,0 +1,92 @@
+"""How the CUDA backward's walks and gradients share the GPU: the two walks on two streams (``both_walks``), and the
+pipelined walk groups, piece by piece, with each block's gradients on streams of their own
+(``pipelined_walks_and_grads``). Every kernel sees the same rows and chunks whatever the overlap, so the results are
+bitwise those of one stream; on the CPU (the emulated kernels) the same launches run in order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import tuning
+from .common import side_streams
+
+__all__ = ["both_walks", "pipelined_walks_and_grads"]
+
+
+def both_walks(rev_chain, fwd_chain, device) -> None:
+    """Run the reverse chain (dh, dV_new) on the current stream and the forward chain (h, V_new) on a side
+    stream, joined before returning. They are independent: the reverse recursion of dS never reads S, the
+    reverse walk reads the records' W, Kg, Qg, Aqk, gamma and writes dV_new and dh, the forward walk reads
+    W, Kg, U, gamma and writes V_new (over U) and h. Each kernel's result is the same whatever the overlap,
+    so the backward stays bitwise repeatable. A CTA of each does not fit on one SM (shared memory): the
+    overlap is between the segmented chains' summaries and folds (``tuning.bwd_walk_streams``).
+    The walks themselves go through ``pipelined_walks_and_grads`` when there are walk groups; run together, the
+    two walks are bound by DRAM bandwidth even when a CTA of each fits on one SM (docs/kernels.md §4)."""
+    if torch.device(device).type != "cuda" or not tuning.bwd_walk_streams():  # (the CPU emulation of the kernels)
+        rev_chain()
+        fwd_chain()
+        return
+    main = torch.cuda.current_stream(device)
+    side = side_streams("bwd_side", main.device, 1)[0]
+    side.wait_stream(main)  # the records, states and buffers made so far
+    rev_chain()
+    with torch.cuda.stream(side):
+        fwd_chain()
+    main.wait_stream(side)  # buffers used on the side stream are freed (or reused) on main only after this
+
+
+def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None:
+    """Every group's walks, each group's reverse and forward chain on two side streams of its own at high priority,
+    piece by piece (``WalkGroup``), and the gradients of each block of each group on a side stream of their own at
+    normal priority, each once the forward and the reverse piece of that block end (``WalkGroup.ready``: when that
+    is expected); everything enqueued in the order it is expected to start (the longest group's first on ties);
+    joined at the end. High priority: a walk piece launched while gradient CTAs wait for SMs takes the next SM free
+    instead of queueing behind whole gradient launches (a chain's pieces are serial). On the CPU (the emulated
+    kernels) the same launches run in order."""
+    if torch.device(device).type != "cuda" or not tuning.bwd_walk_streams():
+        for grp in groups[::-1]:
+            for p in range(grp.pieces):
+                launch_walk(grp, "rev", p)
+            for p in range(grp.pieces):
+                launch_walk(grp, "fwd", p)
+        for grp in groups:
+            for blk in grp.blocks:
+                launch_grads(blk)
+        return
+    main = torch.cuda.current_stream(device)
+    walk_pool = side_streams("bwd_walks", main.device, 2 * len(groups), priority=-1)
+    grads_pool = side_streams("bwd_grads", main.device, sum(grp.pieces for grp in groups))
+    for s in walk_pool + grads_pool:
+        s.wait_stream(main)  # the records and buffers carved so far
+    # every launch with the time it is expected to start (forward walk steps from the walks' start): piece p of a
+    # chain at p / k of its group's walk, a block's gradients when both its pieces end (WalkGroup.ready); enqueued in
+    # that order, walks first on ties. The host enqueues a launch in ~10-20 us and the first gradients wait for
+    # nothing else, so they should not wait behind the later pieces of every chain (each piece's dependencies, its
+    # chain's earlier pieces, start earlier and come first).
+    launches = []  # (expected start, walks before gradients, ties: longer groups' walks first, group, what, piece)
+    for gi, grp in enumerate(groups):
+        k = grp.pieces
+        for p in range(k):
+            launches.append((grp.longest * p / k, 0, -gi, gi, "fwd", p))
+            launches.append((tuning.REV_STEP_RATIO * grp.longest * p / k, 0, -gi, gi, "rev", p))
+            launches.append((grp.ready[p], 1, gi, gi, "grads", p))  # (block p)
+    done = {}  # (group, direction, block) -> the event recorded after that piece
+    streams = iter(grads_pool)
+    for *_, gi, what, p in sorted(launches):
+        grp = groups[gi]
+        if what == "grads":
+            s = next(streams)
+            s.wait_event(done[gi, "fwd", p])
+            s.wait_event(done[gi, "rev", p])
+            with torch.cuda.stream(s):
+                launch_grads(grp.blocks[p])
+            continue
+        stream = walk_pool[2 * gi + (0 if what == "rev" else 1)]
+        with torch.cuda.stream(stream):
+            launch_walk(grp, what, p)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            done[gi, what, grp.rev_blocks[p] if what == "rev" else p] = ev
+    for s in walk_pool + grads_pool:
+        main.wait_stream(s)  # buffers used on the side streams are freed (or reused) on main only after this
