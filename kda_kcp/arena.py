@@ -5,7 +5,7 @@ An ``Arena`` hands out tensors from a byte buffer in order (each start aligned t
 a buffer it falls back to ``torch.empty`` (a call without a workspace). ``Arena.count_only`` makes one that
 only counts: its carves are placeholders on the meta device (shape and dtype, no memory) and it keeps the
 offset and the peak as a buffer would. ``kda_workspace_bytes_kcp`` is the peak of a call's own carve sequence
-run on such an arena (``kda_kcp.function.arena_parts``), so the size and the carves cannot disagree.
+run on such an arena (``kda_kcp.sizing.arena_parts``), so the size and the carves cannot disagree.
 
 A carve is one ``torch.as_strided`` of a typed view of the buffer (the views are kept per dtype, and a
 workspace keeps them across calls): on the H200 machine's host a slice and two views took ~9 us per carve,

@@ -12,8 +12,9 @@ import torch
 from torch.compiler import is_compiling  # bound once: the check runs on every eager call
 
 from . import workspace as _ws
-from .function import KdaSaved, backward_kcp, chunk_kda_autograd, forward_kcp
+from .function import backward_kcp, chunk_kda_autograd, forward_kcp
 from .library import chunk_kda_op
+from .steps import KdaSaved
 from .validate import check_flag
 
 __all__ = ["ENTRY_NAMES", "make_entries"]

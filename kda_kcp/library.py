@@ -105,7 +105,8 @@ def _bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: 
          state_in: Tensor, initial_state: Optional[Tensor], ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor],
          packed_rows: int, scale: Optional[float], deterministic: bool, workspace_handle: Optional[Tensor],
          output_final_state: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    from .function import KdaSaved, backward_kcp
+    from .function import backward_kcp
+    from .steps import KdaSaved
     from .validate import check_scale
 
     ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])

@@ -22,16 +22,15 @@ import copy
 import torch
 
 from .archs import KERNEL_CAPABILITIES
-from .arena import Arena, aligned
+from .arena import Arena
 from .exchange import summary_elements
 from .library import new_handle
+from .sizing import element_bytes, workspace_bytes
 
 __all__ = [
     "ARENAS",
     "check_arena",
-    "exchange_elements",
     "kda_workspace_bytes_kcp",
-    "workspace_bytes",
     "kda_saved_bytes_kcp",
     "kda_comm_bytes_kcp",
     "WorkspaceKcp",
@@ -56,29 +55,6 @@ def _heads(num_heads) -> int:
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
     return num_heads
-
-
-def _elt(dtype) -> int:
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
-    return dtype.itemsize
-
-
-def exchange_elements(ctx, num_heads: int, head_dim: int, value_dim: int | None = None) -> int:
-    """Elements of the exchange scratch: (1 + W) rows-of-slots for the larger of the two exchanges."""
-    slots = max(ctx.plan.fwd_slots, ctx.plan.bwd_slots)
-    return (1 + ctx.world_size) * slots * summary_elements(num_heads, head_dim, value_dim or head_dim)
-
-
-def workspace_bytes(ctx, num_heads: int, backend, device, head_dim: int = 128, value_dim: int | None = None,
-                    dtype=torch.float32, lean_passes: int | None = None) -> int:
-    """Bytes of one call's workspace on ``backend``: the exchange scratch, then (CUDA) the arena
-    (``lean_passes``: the lean backward's pass count, None for the replay arena)."""
-    ex = exchange_elements(ctx, num_heads, head_dim, value_dim) * _elt(dtype)
-    from .function import local_arena_bytes  # the calls' own steps, run on an arena that only counts
-
-    arena = local_arena_bytes(ctx, num_heads, backend, device, head_dim, value_dim, lean_passes)
-    return aligned(ex) + arena if arena else ex
 
 
 def _device_of(ctx, device) -> torch.device:
@@ -155,14 +131,14 @@ def kda_workspace_bytes_kcp(
 
 def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
     """Bytes the forward keeps for the backward beyond references to the inputs."""
-    per_run = _heads(num_heads) * head_dim * (value_dim or head_dim) * _elt(dtype)
+    per_run = _heads(num_heads) * head_dim * (value_dim or head_dim) * element_bytes(dtype)
     return ctx.local.num_runs * per_run if ctx.plan.needs_exchange else 0
 
 
 def kda_comm_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
     """Bytes this rank sends plus receives in one forward + backward step."""
     W = ctx.world_size
-    per = summary_elements(_heads(num_heads), head_dim, value_dim or head_dim) * _elt(dtype)
+    per = summary_elements(_heads(num_heads), head_dim, value_dim or head_dim) * element_bytes(dtype)
     if W == 1 or not ctx.plan.needs_exchange:
         return 0
     return 2 * (W - 1) * per * (ctx.plan.fwd_slots + ctx.plan.bwd_slots)

@@ -5,7 +5,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import kda_kcp
-from kda_kcp import function
+from kda_kcp import function, steps
 from helpers import make_inputs, offsets, step
 
 CU = offsets([70, 1, 0, 130, 64])
@@ -30,17 +30,17 @@ class _CountPasses:
 
     def __init__(self, monkeypatch):
         self.begins = self.outputs = 0
-        init, finish = function.ForwardCall.__init__, function.ForwardCall.finish
+        start, finish = function.start_forward, function.ForwardCall.finish
 
-        def counted_init(call, *a, **kw):
+        def counted_start(*a, **kw):
             self.begins += 1
-            init(call, *a, **kw)
+            return start(*a, **kw)
 
         def counted_finish(call):
             self.outputs += 1
             return finish(call)
 
-        monkeypatch.setattr(function.ForwardCall, "__init__", counted_init)
+        monkeypatch.setattr(function, "start_forward", counted_start)
         monkeypatch.setattr(function.ForwardCall, "finish", counted_finish)
 
 
@@ -66,17 +66,17 @@ def test_checkpoint_recomputation_skips_the_output_pass(monkeypatch):
 
 def test_the_forward_knows_a_checkpoint_recomputation(monkeypatch):
     """The KCP forward's early output pass (kda_kcp.cuda.forward, reserve_early) is launched only outside a backward
-    pass: a checkpoint's recomputation never asks for o. function._in_backward tells the two apart."""
+    pass: a checkpoint's recomputation never asks for o. steps.in_backward tells the two apart."""
     inputs, do = make_inputs(CU, dtype=torch.float32, seed=9)
     ctx = kda_kcp.build_context_kcp(CU)
     seen = []
-    init = function.ForwardCall.__init__
+    start = function.start_forward
 
-    def noting_init(call, *a, **kw):
-        seen.append(function._in_backward())
-        init(call, *a, **kw)
+    def noting_start(*a, **kw):
+        seen.append(steps.in_backward())
+        return start(*a, **kw)
 
-    monkeypatch.setattr(function.ForwardCall, "__init__", noting_init)
+    monkeypatch.setattr(function, "start_forward", noting_start)
     _checkpoint_step(inputs, do, ctx)
     assert seen == [False, True]
 

@@ -13,7 +13,8 @@ from kda_kcp.cuda import CudaBackend
 from kda_kcp.torch_backend import TorchBackend
 
 PACKAGE = Path(kda_kcp.__file__).parent
-CORE = ("function.py", "workspace.py", "states.py", "validate.py", "fla.py", "demo.py", "library.py", "entries.py")
+CORE = ("function.py", "steps.py", "sizing.py", "workspace.py", "states.py", "validate.py", "fla.py", "demo.py",
+        "library.py", "entries.py")
 
 
 def _members(cls) -> set[str]:

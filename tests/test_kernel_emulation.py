@@ -29,6 +29,7 @@ import kda_kcp
 from kda_kcp.reference import naive_merge
 import kda_kcp.backend
 import kda_kcp.function as function
+import kda_kcp.sizing as sizing
 from kda_kcp.arena import Arena
 from kda_kcp.chunk import Prep, _masks, _prep_slab
 from kda_kcp.cuda import CudaBackend, forward
@@ -484,14 +485,14 @@ def test_cuda_path_on_the_emulated_kernels(emu, monkeypatch, steep_docs):
     grads = function.backward_kcp(do, saved, ctx, ws)
     _check_vs_oracle((o, *grads), _oracle(cu, inputs, do), "W=1")
     backend = function.select_backend(None, True)
-    assert [a.peak for a in arenas] == list(function.arena_parts(ctx, H, backend, "cpu")) != [0, 0]
+    assert [a.peak for a in arenas] == list(sizing.arena_parts(ctx, H, backend, "cpu")) != [0, 0]
     lean = kda_kcp.WorkspaceKcp.from_buffer(
         torch.empty(kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena="lean", lean_passes=2), dtype=torch.uint8),
         True, "lean", 2)
     lean_grads = function.backward_kcp(do, saved, ctx, lean)
     for name, x, r in zip(NAMES, lean_grads, grads):
         assert torch.equal(x, r), f"{name}: the lean backward differs from the replay one"
-    assert arenas[-1].peak == function.arena_parts(ctx, H, backend, "cpu", passes=2)[1]
+    assert arenas[-1].peak == sizing.arena_parts(ctx, H, backend, "cpu", passes=2)[1]
 
 
 def test_cp_async_requests_go_into_dead_tiles(emu, emu_eager, monkeypatch):

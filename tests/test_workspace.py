@@ -75,7 +75,7 @@ def test_sizing_for_a_gpu_this_machine_does_not_have(monkeypatch):
     without one says what to pass instead (not torch's AssertionError)."""
     from kda_kcp.cuda import CudaBackend
     from kda_kcp.cuda.common import planning_sm_count
-    from kda_kcp.workspace import workspace_bytes
+    from kda_kcp.sizing import workspace_bytes
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     ctx = kda_kcp.build_context_kcp(BENCH)

@@ -16,9 +16,11 @@ import torch.distributed as dist
 import kda_kcp
 import kda_kcp.backend
 import kda_kcp.function as function
+import kda_kcp.sizing as sizing
+import kda_kcp.steps as steps
 from kda_kcp.arena import Arena, aligned, tensor_bytes
 from kda_kcp.cuda import CudaBackend, backward, bwd_tables, forward
-from kda_kcp.workspace import exchange_elements
+from kda_kcp.sizing import exchange_elements
 from helpers import offsets, run_distributed, set_tuning
 
 
@@ -68,7 +70,7 @@ def _check_exact(ctx, H, local_arena="replay", lean_passes=None):
     need = kda_kcp.kda_workspace_bytes_kcp(ctx, H, local_arena=local_arena, lean_passes=lean_passes)
     passes = kda_kcp.workspace.check_arena(local_arena, lean_passes)
     ex = exchange_elements(ctx, H, 128) * 4
-    arena_size = function.local_arena_bytes(ctx, H, backend, "cpu", passes=passes)
+    arena_size = sizing.local_arena_bytes(ctx, H, backend, "cpu", passes=passes)
     assert need == (aligned(ex) + arena_size if arena_size else ex)
     q, k, v, g, beta, do = _inputs(ctx.local_tokens, H)
 
@@ -82,7 +84,7 @@ def _check_exact(ctx, H, local_arena="replay", lean_passes=None):
     peaks = [a.peak for a in _Recorded.made if not a.counting]  # (not the sizing's own arenas)
     assert len(peaks) == 2 and max(peaks) == arena_size, (local_arena, lean_passes, peaks, arena_size)
     # each call's own peak, not only the larger one (the backward's is the larger in every case here)
-    parts = function.arena_parts(ctx, H, backend, "cpu", passes=passes)
+    parts = sizing.arena_parts(ctx, H, backend, "cpu", passes=passes)
     assert tuple(peaks) == parts, (local_arena, lean_passes, peaks, parts)
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
         function.forward_kcp(q, k, v, g, beta, ctx, None, True, workspace(need - 1))
@@ -186,7 +188,7 @@ def test_call_need_is_cached_per_knob(monkeypatch):
     needs = {}
     for seg in (2, 0):
         set_tuning(monkeypatch, bwd_seg_chunks=seg)
-        fresh = kda_kcp.workspace.workspace_bytes(ctx, 4, backend, "cpu")
+        fresh = sizing.workspace_bytes(ctx, 4, backend, "cpu")
         needs[seg] = function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
         assert needs[seg] == fresh == function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
     assert needs[2] != needs[0]
@@ -207,7 +209,7 @@ def test_call_need_follows_the_pipeline_flag(monkeypatch):
     needs = {}
     for flag in (1, 0):
         set_tuning(monkeypatch, bwd_pipeline=flag)
-        fresh = kda_kcp.workspace.workspace_bytes(ctx, 4, backend, "cpu")
+        fresh = sizing.workspace_bytes(ctx, 4, backend, "cpu")
         needs[flag] = function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
         assert needs[flag] == fresh
     assert needs[1] != needs[0]
@@ -277,7 +279,7 @@ def test_sizing_launches_loads_and_exchanges_nothing(monkeypatch):
         return fail
 
     for owner, name in ((forward, "load"), (backward, "load"), (kda_kcp.status, "word"), (kda_kcp.status, "fill"),
-                        (function, "gather_summaries"), (function, "affine_merge")):
+                        (steps, "gather_summaries"), (steps, "affine_merge")):
         monkeypatch.setattr(owner, name, refuse(f"{owner.__name__}.{name}"))
     set_tuning(monkeypatch, fwd_early=1, bwd_summary_chunks=2)  # an early output pass too; segmented KCP summaries
     backend = CudaBackend(True)
@@ -286,5 +288,5 @@ def test_sizing_launches_loads_and_exchanges_nothing(monkeypatch):
                 _FakeGroupContext(cu, 2, 1, "contiguous")):
         assert ctx.world_size == 1 or ctx.plan.needs_exchange
         for passes in (None, 2):
-            fwd, bwd = function.arena_parts(ctx, 4, backend, "cpu", passes=passes)
+            fwd, bwd = sizing.arena_parts(ctx, 4, backend, "cpu", passes=passes)
             assert fwd > 0 and bwd > 0

@@ -64,7 +64,7 @@ def _state(x, n, H, none, name):
     """A state argument of a binding: ``none`` (a 0-element tensor) when absent."""
     if x is None:
         return none
-    x = x.to(device=none.device, dtype=torch.float32).contiguous()  # a no-op for function.py's states
+    x = x.to(device=none.device, dtype=torch.float32).contiguous()  # a no-op for the states kda_kcp.steps hands in
     if tuple(x.shape) != (n, H, _D, _D):
         raise ValueError(f"{name} must be [{n}, {H}, {_D}, {_D}], got {tuple(x.shape)}")
     return x

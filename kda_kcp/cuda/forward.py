@@ -351,7 +351,7 @@ class PreparedForward:
             return o
         sin_t = self.none
         if state_in is not None:
-            sin_t = state_in.to(torch.float32).contiguous()  # a no-op for the states function.py hands in
+            sin_t = state_in.to(torch.float32).contiguous()  # a no-op for the states kda_kcp.steps hands in
             if tuple(sin_t.shape) != _state_shape(self.plan.num_runs, H):
                 raise ValueError(f"state_in must be [{self.plan.num_runs}, {H}, {_D}, {_D}], got "
                                  f"{tuple(state_in.shape)}")
