@@ -103,16 +103,20 @@ def check_values(g, beta, q, k, v) -> None:
         raise ValueError(msg)
 
 
+def _check_gradient(name: str, x, want: list, of: str, device) -> None:
+    """A gradient handed to the backward: a floating tensor of the shape ``want`` (that of ``of``) on ``device``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {want}, got {type(x).__name__}")
+    if list(x.shape) != want:
+        raise ValueError(f"{name} must have {of} shape {want}, got {list(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but the forward ran on {device}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+
+
 def check_grad_output(do, q, v) -> None:
-    if not isinstance(do, torch.Tensor):
-        raise TypeError(f"do must be a torch.Tensor, got {type(do).__name__}")
-    want = (q.shape[0], q.shape[1], v.shape[2])
-    if tuple(do.shape) != want:
-        raise ValueError(f"do must have the output's shape {list(want)}, got {list(do.shape)}")
-    if do.device != q.device:
-        raise ValueError(f"do is on {do.device} but the forward ran on {q.device}")
-    if not do.dtype.is_floating_point:
-        raise TypeError(f"do must be a floating tensor, got {do.dtype}")
+    _check_gradient("do", do, [q.shape[0], q.shape[1], v.shape[2]], "the output's", q.device)
 
 
 def check_initial_state(h0, num_docs: int, q, v, state_dtype: torch.dtype) -> None:
@@ -139,14 +143,5 @@ def check_initial_state(h0, num_docs: int, q, v, state_dtype: torch.dtype) -> No
 
 def check_final_state_grad(dht, num_docs: int, q, v) -> None:
     """``dht``, the final states' gradient: None, or a floating [N, H, K, V] tensor on q's device."""
-    if dht is None:
-        return
-    want = [num_docs, q.shape[1], q.shape[2], v.shape[2]]
-    if not isinstance(dht, torch.Tensor):
-        raise TypeError(f"dht must be a torch.Tensor of shape {want} or None, got {type(dht).__name__}")
-    if list(dht.shape) != want:
-        raise ValueError(f"dht must have the final state's shape {want}, got {list(dht.shape)}")
-    if dht.device != q.device:
-        raise ValueError(f"dht is on {dht.device} but the forward ran on {q.device}")
-    if not dht.dtype.is_floating_point:
-        raise TypeError(f"dht must be a floating tensor, got {dht.dtype}")
+    if dht is not None:
+        _check_gradient("dht", dht, [num_docs, q.shape[1], q.shape[2], v.shape[2]], "the final state's", q.device)
