@@ -7,7 +7,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .library import new_handle
+from .handles import new_handle
 from .partition import LAYOUTS, check_cu_seqlens, partition_kcp
 from .plan import KcpPlan, LocalPlan, build_plan
 

@@ -12,22 +12,19 @@ rank's shard under context parallelism when ``cp_context`` is a ``KcpContext``. 
 from __future__ import annotations
 
 import math
-import weakref
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 
 from .backend import TORCH, select_backend
-from .context import KcpContext, build_context_kcp
+from .context import KcpContext
 from .library import chunk_kda_op
-from .partition import check_cu_seqlens
+from .packing import packed_context
 from .validate import check_flag
 
-__all__ = ["chunk_kda", "packed_context", "l2_normalize", "kda_gate", "beta_activation"]
+__all__ = ["chunk_kda", "l2_normalize", "kda_gate", "beta_activation"]
 
 L2NORM_EPS = 1e-6  # FLA's l2norm epsilon (added to the sum of squares)
-_CONTEXT_CACHE_SIZE = 32
 
 
 def _compute_dtype(*xs) -> torch.dtype:
@@ -67,39 +64,6 @@ def beta_activation(beta: torch.Tensor, allow_neg_eigval: bool = False) -> torch
 
 
 # ---- the W = 1 contexts a call builds itself, and the host copy of cu_seqlens ----
-
-_contexts: OrderedDict = OrderedDict()  # tuple(offsets) -> KcpContext (W = 1), least recently used first
-_host_offsets: dict = {}  # id(tensor) -> (weakref, tensor._version, offsets): no device read for a tensor seen before
-
-
-def _offsets_of(cu_seqlens, name: str) -> list[int]:
-    """``cu_seqlens`` as Python ints. Reading a CUDA tensor waits for the GPU, so the result is kept for the tensor
-    object while it lives and is not written to (the layers of one step pass the same tensor)."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        return check_cu_seqlens(cu_seqlens, name)
-    hit = _host_offsets.get(id(cu_seqlens))
-    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
-        return hit[2]
-    cu = check_cu_seqlens(cu_seqlens, name)
-    if len(_host_offsets) >= _CONTEXT_CACHE_SIZE:  # forget the tensors that are gone, else the oldest
-        gone = [key for key, entry in _host_offsets.items() if entry[0]() is None]
-        for key in gone or [next(iter(_host_offsets))]:
-            del _host_offsets[key]
-    _host_offsets[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, cu)
-    return cu
-
-
-def _single_rank_context(cu: list[int]) -> KcpContext:
-    key = tuple(cu)
-    ctx = _contexts.get(key)
-    if ctx is None:
-        ctx = _contexts[key] = build_context_kcp(cu)
-        if len(_contexts) > _CONTEXT_CACHE_SIZE:
-            _contexts.popitem(last=False)
-    else:
-        _contexts.move_to_end(key)
-    return ctx
-
 
 # ---- option checks ----
 
@@ -179,43 +143,6 @@ def _check_tensors(q, k, v, g, beta, A_log, dt_bias):
         if x is not None and x.device != q.device:
             raise ValueError(f"chunk_kda: {name} is on {x.device} but q is on {q.device}")
     return B, T, H, K, HV
-
-
-def packed_context(B, T, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None) -> KcpContext:
-    """The context a call on ``[B, T, ...]`` tensors runs under: ``cp_context`` itself (checked against T), or the
-    cached W = 1 context of ``cu_seqlens`` (B = 1) or of B documents of T tokens."""
-    if cp_context is not None:
-        if not isinstance(cp_context, KcpContext):
-            raise TypeError(
-                f"chunk_kda: cp_context must be a kda_kcp.KcpContext (kda_kcp.build_context_kcp), got {type(cp_context).__name__}"
-            )
-        if B != 1:
-            raise ValueError(f"chunk_kda: with cp_context the tensors are this rank's shard [1, T_local, ...], got B = {B}")
-        if T != cp_context.local_tokens:
-            raise ValueError(f"chunk_kda: cp_context gives rank {cp_context.rank} {cp_context.local_tokens} local tokens "
-                             f"(of {cp_context.num_tokens}), but the tensors have T = {T}; pass cp_context.shard(x)")
-        if cu_seqlens is not None or cu_seqlens_cpu is not None:
-            given = _offsets_of(cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens, "cu_seqlens")
-            if given != cp_context.cu_seqlens:
-                raise ValueError("chunk_kda: cu_seqlens differs from cp_context's offsets (pass either, or the same)")
-        return cp_context
-    if cu_seqlens is None:
-        if cu_seqlens_cpu is not None:
-            raise ValueError("chunk_kda: cu_seqlens_cpu was given without cu_seqlens")
-        return _single_rank_context(list(range(0, B * T + 1, T)) if T > 0 else [0, 0])
-    if B != 1:
-        raise ValueError(f"chunk_kda: the batch size must be 1 with cu_seqlens (flatten the documents into one row), got B = {B}")
-    if cu_seqlens_cpu is not None:
-        if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and isinstance(cu_seqlens_cpu, torch.Tensor) \
-                and cu_seqlens_cpu.shape != cu_seqlens.shape:
-            raise ValueError(f"chunk_kda: cu_seqlens_cpu has {tuple(cu_seqlens_cpu.shape)} entries, cu_seqlens "
-                             f"{tuple(cu_seqlens.shape)}; it must be cu_seqlens' host copy")
-        cu = _offsets_of(cu_seqlens_cpu, "cu_seqlens_cpu")
-    else:
-        cu = _offsets_of(cu_seqlens, "cu_seqlens")
-    if cu[-1] != T:
-        raise ValueError(f"chunk_kda: cu_seqlens ends at {cu[-1]} but the tensors hold T = {T} tokens")
-    return _single_rank_context(cu)
 
 
 def chunk_kda(

@@ -17,50 +17,32 @@ when it runs, through the same cache as the eager call.
 Eager calls never come here; they keep the two autograd nodes of ``kda_kcp.function``.
 """
 
-import itertools
-import weakref
 from typing import Optional
 
 import torch
 
-__all__ = ["new_handle", "chunk_kda_op"]
+from .backend import select_backend
+from .context import KcpContext
+from .function import backward_kcp, forward_kcp
+from .handles import new_handle, object_of
+from .packing import packed_context
+from .steps import KdaSaved
+from .validate import check_flag, check_scale, values_requested
+from .workspace import WorkspaceKcp
 
-_objects: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_numbers = itertools.count(1)
-
-
-def new_handle(obj) -> torch.Tensor:
-    """A new handle naming ``obj`` (a KcpContext or WorkspaceKcp) in compiled graphs; the object keeps it."""
-    number = next(_numbers)
-    _objects[number] = obj
-    return torch.full((1,), number, dtype=torch.int64)  # torch.full: half the host time of torch.tensor
-
-
-def _object_of(handle, what: str):
-    if handle is None:
-        return None
-    obj = _objects.get(int(handle[0]))
-    if obj is None:
-        raise RuntimeError(
-            f"kda_kcp: the {what} of this compiled call no longer exists; under torch.compile the {what} is passed by "
-            "handle, so keep it alive until the call's backward has run"
-        )
-    return obj
+__all__ = ["chunk_kda_op"]
 
 
 def _context(ctx_handle, cu_seqlens, packed_rows: int, num_tokens: int):
     """The call's KcpContext: the handle's (``packed_rows`` 0, chunk_kda_kcp), or as ``chunk_kda`` makes it for
     ``packed_rows`` rows (its cp_context, or the W = 1 context of cu_seqlens or of the equal rows)."""
-    ctx = _object_of(ctx_handle, "KcpContext")
+    ctx = object_of(ctx_handle, "KcpContext")
     if packed_rows == 0:
         return ctx
-    from .fla import packed_context
-
     return packed_context(packed_rows, num_tokens // packed_rows, cu_seqlens, None, ctx)
 
 
 def _state_dtype(q, k, v, g, beta, deterministic: bool) -> torch.dtype:
-    from .backend import select_backend
 
     return select_backend(q.device, deterministic).summary_dtype(q, k, v, g, beta)
 
@@ -74,13 +56,12 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state
          ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float],
          deterministic: bool, workspace_handle: Optional[Tensor], validate: bool, output_final_state: bool,
          num_docs: int) -> tuple[Tensor, Tensor, Tensor]:
-    from .function import forward_kcp
 
     ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
     if output_final_state and num_docs != ctx.num_docs:
         raise RuntimeError(f"kda_kcp: the compiled call was traced for {num_docs} documents, its context has "
                            f"{ctx.num_docs}")
-    workspace = _object_of(workspace_handle, "WorkspaceKcp")
+    workspace = object_of(workspace_handle, "WorkspaceKcp")
     out = forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, initial_state,
                       output_final_state)
     o, saved = out[0], out[-1]
@@ -105,12 +86,9 @@ def _bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: 
          state_in: Tensor, initial_state: Optional[Tensor], ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor],
          packed_rows: int, scale: Optional[float], deterministic: bool, workspace_handle: Optional[Tensor],
          output_final_state: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    from .function import backward_kcp
-    from .steps import KdaSaved
-    from .validate import check_scale
 
     ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
-    workspace = _object_of(workspace_handle, "WorkspaceKcp")
+    workspace = object_of(workspace_handle, "WorkspaceKcp")
     saved = KdaSaved(q, k, v, g, beta, state_in if ctx.plan.needs_exchange else None, check_scale(scale, q.shape[-1]),
                      deterministic, ctx, initial_state, output_final_state)
     grads = backward_kcp(do, saved, ctx, workspace, dht)
@@ -154,9 +132,6 @@ def chunk_kda_op(q, k, v, g, beta, ctx, scale, deterministic: bool, workspace=No
     """o of one call through the custom ops (what chunk_kda_kcp runs under torch.compile), or (o, final states) with
     ``output_final_state``. ``ctx`` is a KcpContext, or, for ``chunk_kda`` (``packed_rows`` = B), its cp_context or
     None; ``cu_seqlens`` is chunk_kda's."""
-    from .context import KcpContext
-    from .validate import check_flag, check_scale, values_requested
-    from .workspace import WorkspaceKcp
 
     if ctx is not None and not isinstance(ctx, KcpContext):
         raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")

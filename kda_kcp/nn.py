@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .exchange import all_gather_flat, collective_device
-from .fla import chunk_kda, packed_context
+from .fla import chunk_kda
+from .packing import packed_context
 
 __all__ = ["KimiDeltaAttention", "ShortConvTables", "conv_tables", "short_conv"]
 

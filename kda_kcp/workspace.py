@@ -24,7 +24,7 @@ import torch
 from .archs import KERNEL_CAPABILITIES
 from .arena import Arena
 from .exchange import summary_elements
-from .library import new_handle
+from .handles import new_handle
 from .sizing import element_bytes, workspace_bytes
 
 __all__ = [

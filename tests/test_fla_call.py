@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import kda_kcp
 import kda_kcp.fla as fla_call
+import kda_kcp.packing as packing
 from fla_oracle import oracle_chunk_kda
 from helpers import gather_global, offsets, rel_rms, run_distributed
 
@@ -258,8 +259,8 @@ def test_output_shape_and_dtype(dtype):
 def test_cached_offsets_follow_in_place_changes(monkeypatch):
     """A cu_seqlens tensor is read once while it lives unchanged; written in place, it is read again."""
     reads = []
-    real = fla_call.check_cu_seqlens
-    monkeypatch.setattr(fla_call, "check_cu_seqlens", lambda *a, **kw: reads.append(1) or real(*a, **kw))
+    real = packing.check_cu_seqlens
+    monkeypatch.setattr(packing, "check_cu_seqlens", lambda *a, **kw: reads.append(1) or real(*a, **kw))
     tensors, params, do = make_call_inputs(1, 50, seed=8)
     cu = torch.tensor([0, 20, 50])
     first, _ = kda_kcp.chunk_kda(**tensors, cu_seqlens=cu)
