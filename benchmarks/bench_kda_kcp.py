@@ -117,6 +117,10 @@ def parse_args(argv=None):
     p.add_argument("--gates", choices=tuple(GATE_LAWS), default="bench", help="the law g is drawn from")
     p.add_argument("--tokens-scale", type=float, default=1.0, help="scale every document length (min 1 token)")
     p.add_argument("--head-dim", type=int, default=128, help="K = V (the CUDA kernels support 128 only)")
+    p.add_argument("--activations", action="store_true",
+                   help="FLA's in-call activations: raw q, k, g, beta; every arm calls chunk_kda (ours kda_kcp.chunk_kda) "
+                        "with use_qk_l2norm_in_kernel, use_gate_in_kernel (A_log, dt_bias, lower_bound=-5, safe_gate) and "
+                        "use_beta_sigmoid_in_kernel; gradients include A_log and dt_bias (no accuracy slice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-oracle", action="store_true", help="skip the accuracy slice against the FP64 oracle")
     p.add_argument("--fla-ckpt-after-bwd-oom", choices=("run", "skip"), default="run",
@@ -154,6 +158,8 @@ def parse_args(argv=None):
     args.doc_lengths = docs
     if args.flush_mib is None:
         args.flush_mib = 256 if args.device == "cuda" else 32
+    if args.activations:
+        args.no_oracle = True  # the slice's oracle takes activated inputs; tests/gpu/test_fla_parity.py checks this call
     if args.oracle_heads is None:
         args.oracle_heads = min(min(args.heads), 4)
     args.layouts = list(dict.fromkeys(args.layouts))
@@ -181,10 +187,12 @@ def cu_of(lengths) -> list[int]:
     return cu
 
 
-def draw_inputs(T, H, D, device, seed, post=lambda x: x, gates="bench"):
+def draw_inputs(T, H, D, device, seed, post=lambda x: x, gates="bench", activations=False):
     """(q, k, v, g, beta, do) of the global batch, each passed through ``post`` (the shard) as soon as drawn.
 
-    The generator is seeded from (seed, H) so every rank draws the same global tensors.
+    The generator is seeded from (seed, H) so every rank draws the same global tensors. With ``activations`` the
+    tensors are raw (q, k randn, g the raw gate, beta logits, all BF16) and (A_log [H], dt_bias [H * D], FP32)
+    follow as two more values: exp(A_log) in [0.2, 0.6] and dt_bias ~ N(-2, 0.5), the gate's parameters.
     """
     gen = torch.Generator(device=device)
     gen.manual_seed(seed * 1_000_003 + H)
@@ -193,6 +201,14 @@ def draw_inputs(T, H, D, device, seed, post=lambda x: x, gates="bench"):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
 
     bf16 = torch.bfloat16
+    if activations:
+        q, k, v = (post(randn(T, H, D).to(bf16)) for _ in range(3))
+        g = post(randn(T, H, D).to(bf16))
+        beta = post(randn(T, H).to(bf16))
+        do = post(randn(T, H, D).to(bf16))
+        A_log = (0.2 + 0.4 * torch.rand(H, generator=gen, device=device)).log()
+        dt_bias = randn(H * D).mul_(0.5).sub_(2.0)
+        return q, k, v, g, beta, do, A_log, dt_bias
     q = post(F.normalize(randn(T, H, D), dim=-1).to(bf16))
     k = post(F.normalize(randn(T, H, D), dim=-1).to(bf16))
     v = post(randn(T, H, D).to(bf16))
@@ -379,7 +395,10 @@ class Bench:
         return None
 
     def arm_fn(self, arm, lay: Layout, H):
-        """fn(q, k, v, g, beta) -> o [T, H, V] for one arm (workspace, if any, allocated here)."""
+        """fn(q, k, v, g, beta) -> o [T, H, V] for one arm (workspace, if any, allocated here); with --activations
+        fn(q, k, v, g, beta, A_log, dt_bias) calling chunk_kda with the activations inside."""
+        if self.args.activations:
+            return self.activations_fn(arm, lay, H)
         if arm in OURS:
             det = arm == "det"
             ws = None if self.args.no_workspace else kda_kcp.WorkspaceKcp(
@@ -415,6 +434,28 @@ class Bench:
             return o[0]
 
         return fla_cp
+
+    def activations_fn(self, arm, lay: Layout, H):
+        """The FLA-shaped call with the gate, the q / k norm and the beta sigmoid inside, for one arm."""
+        options = dict(scale=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                       safe_gate=True, use_beta_sigmoid_in_kernel=True)
+        if arm in OURS:
+            det = arm == "det"
+            ws = None if self.args.no_workspace else kda_kcp.WorkspaceKcp(
+                lay.ctx, H, device=self.device, deterministic=det, head_dim=self.D,
+                local_arena=self.args.local_arena, lean_passes=self.args.lean_passes)
+            call, extra = kda_kcp.chunk_kda, dict(deterministic=det, workspace=ws)
+            where = dict(cu_seqlens=lay.fla_cu, cu_seqlens_cpu=lay.fla_cu_cpu) if self.W == 1 else dict(cp_context=lay.ctx)
+        else:
+            call, extra = self.chunk_kda, {}
+            where = dict(cu_seqlens=lay.fla_cu, cu_seqlens_cpu=lay.fla_cu_cpu) if arm == "fla" else dict(cp_context=lay.fla_cp)
+
+        def fn(q, k, v, g, beta, A_log, dt_bias):
+            o, _ = call(q[None], k[None], v[None], g[None], beta[None], A_log=A_log, dt_bias=dt_bias,
+                        **options, **where, **extra)
+            return o[0]
+
+        return fn
 
     @staticmethod
     def op_fns(op, fn, x, do):
@@ -686,8 +727,12 @@ class Bench:
             "local_arena": a.local_arena,
             "lean_passes": a.lean_passes,
             "seed": a.seed,
-            "inputs": f"q,k: L2-normalised randn (BF16); v, do: randn (BF16); g: {GATE_LAWS[a.gates]} (FP32); "
-                      "beta: sigmoid(z) clipped to [2^-8, 1 - 2^-8] (BF16)",
+            "inputs": ("raw q, k, v, do, g, beta randn (BF16), exp(A_log) in [0.2, 0.6], dt_bias ~ N(-2, 0.5) (FP32); "
+                       "chunk_kda with use_qk_l2norm_in_kernel, use_gate_in_kernel (lower_bound=-5, safe_gate), "
+                       "use_beta_sigmoid_in_kernel" if a.activations else
+                       f"q,k: L2-normalised randn (BF16); v, do: randn (BF16); g: {GATE_LAWS[a.gates]} (FP32); "
+                       "beta: sigmoid(z) clipped to [2^-8, 1 - 2^-8] (BF16)"),
+            "activations": a.activations,
             "gates": a.gates,
             "batch": a.batch if not a.docs else "docs",
             "timer": "CUDA events" if self.cuda else "time.perf_counter",
@@ -735,10 +780,11 @@ class Bench:
         for H in a.heads:
             for lay in layouts:
                 t_in = time.perf_counter()
-                q, k, v, g, beta, do = draw_inputs(self.T, H, self.D, self.device, a.seed, post=lay.shard,
-                                                         gates=a.gates)
-                x = tuple(t.requires_grad_(True) for t in (q, k, v, g, beta))
-                del q, k, v, g, beta
+                drawn = draw_inputs(self.T, H, self.D, self.device, a.seed, post=lay.shard, gates=a.gates,
+                                    activations=a.activations)
+                do = drawn[5]
+                x = tuple(t.requires_grad_(True) for t in drawn[:5] + drawn[6:])
+                del drawn
                 self.free()
                 for op in a.ops:
                     i += 1
@@ -906,9 +952,14 @@ def report(result):
     print(f"## Time per call in ms ({meta['device']} x {meta['world']}, {meta['date_utc']}, kda_kcp backend "
           f"{meta['kda_kcp_backend']}, fla {meta['fla']})")
     print(f"command: {meta['command']}")
-    print("arms: det / nd = kda_kcp.chunk_kda_kcp(deterministic=True / False); control = a second visit of nd; "
-          "fla = fla.ops.kda.chunk_kda(safe_gate=True, cu_seqlens=...) on the same shard; "
-          "fla_cp = chunk_kda(safe_gate=True, cp_context=build_cp_context(cu_seqlens, group, layout=...))")
+    if meta.get("activations"):
+        print("arms: det / nd = kda_kcp.chunk_kda(deterministic=True / False), fla = fla.ops.kda.chunk_kda, both with "
+              "use_qk_l2norm_in_kernel, use_gate_in_kernel (A_log, dt_bias, lower_bound=-5, safe_gate) and "
+              "use_beta_sigmoid_in_kernel; control = a second visit of nd")
+    else:
+        print("arms: det / nd = kda_kcp.chunk_kda_kcp(deterministic=True / False); control = a second visit of nd; "
+              "fla = fla.ops.kda.chunk_kda(safe_gate=True, cu_seqlens=...) on the same shard; "
+              "fla_cp = chunk_kda(safe_gate=True, cp_context=build_cp_context(cu_seqlens, group, layout=...))")
     print("cell = median over groups of the group medians; speedup a/b = b ms / a ms; "
           f"{DAGGER} = control/nd outside {CONTROL_BAND[0]}-{CONTROL_BAND[1]} or |drift of nd| > {100 * DRIFT_LIMIT:.0f} %"
           + ("; fla at W > 1 = FLA without CP on this rank's shard" if meta["world"] > 1 else ""))
