@@ -25,6 +25,7 @@ from .validate import check_flag
 __all__ = ["chunk_kda", "l2_normalize", "kda_gate", "beta_activation"]
 
 L2NORM_EPS = 1e-6  # FLA's l2norm epsilon (added to the sum of squares)
+_CUDA_HEAD_DIM = 128  # the CUDA kernels' K (another K goes to the CUDA backend's own check, which refuses it)
 
 
 def _compute_dtype(*xs) -> torch.dtype:
@@ -205,9 +206,13 @@ def chunk_kda(
     - ``use_beta_sigmoid_in_kernel``: beta = sigmoid(beta), times 2 with ``allow_neg_eigval`` (which requires it).
     - ``deterministic``, ``workspace``: as in ``kda_kcp.chunk_kda_kcp``.
 
-    These activations run as differentiable torch ops before the KDA call (in FP32; FP64 for FP64 inputs);
-    fusing them into the kernels that already read q, k, g and beta is later work. On the CUDA backend q, k, v
-    and beta reach the kernels in BF16 and g in FP32 (converted differentiably when the caller's dtypes differ).
+    The activations are differentiable. On the CUDA backend they run fused, one kernel pass each way
+    (``kda_kcp.cuda.activations``, csrc/kda_act.cu: FP32 math, q and k normalised before the GVA repeat, the
+    gradients of ``A_log`` and ``dt_bias`` summed deterministically); they hand the KDA kernels q, k, beta in BF16 and
+    g in FP32. On the torch backend they are the torch ops ``l2_normalize``, ``kda_gate`` and ``beta_activation``
+    of this module (in FP32; FP64 for FP64 inputs), which are also the fused pass's reference. Either way the KDA
+    kernels' value check sees a non-finite raw input as a non-finite activated one. Tensors the activations do not
+    touch reach the CUDA kernels converted differentiably (q, k, v, beta to BF16, g to FP32) when their dtypes differ.
 
     Not supported, each raising ``ValueError`` that names it: ``disable_recompute=True``, ``return_intermediate_states=True``, ``state_v_first=True``, ``use_graph=True``,
     ``max_num_seqs``, ``chunk_size`` other than 64, and any keyword FLA does not define.
@@ -224,19 +229,30 @@ def chunk_kda(
     ctx = None if compiling else packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
     out_dtype = q.dtype
 
-    if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)
-    if use_gate_in_kernel:
-        g = kda_gate(g, A_log, dt_bias, lower_bound)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta_activation(beta, allow_neg_eigval)
-
     from . import _package, chunk_kda_kcp  # the facade (this module is imported by the package's __init__)
 
     # off the GPU the torch backend runs (or, with KDA_KCP_BACKEND=cuda, the call raises at its checks)
     backend = select_backend(q.device, _package(deterministic).DETERMINISTIC) if q.is_cuda else TORCH
+    asked = use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel
+    if asked and backend.name == "cuda" and K == _CUDA_HEAD_DIM:
+        from .cuda.activations import fused_activations
+
+        q_act, k_act, g_act, beta_act = fused_activations(
+            q if use_qk_l2norm_in_kernel else None, k if use_qk_l2norm_in_kernel else None,
+            g if use_gate_in_kernel else None, beta if use_beta_sigmoid_in_kernel else None,
+            A_log, dt_bias, HV, lower_bound, 2.0 if allow_neg_eigval else 1.0)
+        q, k = (q_act, k_act) if use_qk_l2norm_in_kernel else (q, k)  # normalised q, k come with HV heads
+        g = g_act if use_gate_in_kernel else g
+        beta = beta_act if use_beta_sigmoid_in_kernel else beta
+    else:
+        if use_qk_l2norm_in_kernel:
+            q, k = l2_normalize(q), l2_normalize(k)
+        if use_gate_in_kernel:
+            g = kda_gate(g, A_log, dt_bias, lower_bound)
+        if use_beta_sigmoid_in_kernel:
+            beta = beta_activation(beta, allow_neg_eigval)
     qkv_dtype, g_dtype, beta_dtype = backend.input_dtypes(q, k, v, g, beta)
-    if HV != H:
+    if q.shape[2] != HV:
         q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
 
     def packed(x, dtype):

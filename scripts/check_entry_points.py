@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Load every built program (no GPU needed) and check that it exports each entry point the Python
-wrappers call (``ENTRY_POINTS`` of kda_kcp/cuda/forward.py and backward.py), that the record sizes
-the wrappers assume match the kernels', and that its build identity (``build_identity()``) is one the loader
-accepts as prebuilt: this program, this arch, the checkout's sources and flags. A renamed binding or a stale
-build then fails CI instead of a user's first call.
+wrappers call (``ENTRY_POINTS`` of kda_kcp/cuda/forward.py, backward.py and activations.py), that the record
+sizes and item lengths the wrappers assume match the kernels', and that its build identity (``build_identity()``)
+is one the loader accepts as prebuilt: this program, this arch, the checkout's sources and flags. A renamed
+binding or a stale build then fails CI instead of a user's first call.
 
     python scripts/check_entry_points.py DIR        # DIR/<arch>/<program>.so, as build_prebuilt.py --out DIR
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kda_kcp import jit  # noqa: E402
-from kda_kcp.cuda import backward, forward  # noqa: E402
+from kda_kcp.cuda import activations, backward, forward  # noqa: E402
 
-WRAPPERS = {"kda_fwd": forward, "kda_bwd": backward}
+WRAPPERS = {"kda_fwd": forward, "kda_bwd": backward, "kda_act": activations}
 
 
 def main() -> int:
@@ -45,6 +45,9 @@ def main() -> int:
                 missing.append(name)
         if so.stem == "kda_fwd" and not missing and mod.fwd_record_bytes() != forward.RECORD_BYTES:
             missing.append(f"fwd_record_bytes() = {mod.fwd_record_bytes()} != RECORD_BYTES {forward.RECORD_BYTES}")
+        if so.stem == "kda_act" and not missing and mod.act_rows_per_item() != activations.ROWS_PER_ITEM:
+            missing.append(f"act_rows_per_item() = {mod.act_rows_per_item()} != ROWS_PER_ITEM "
+                           f"{activations.ROWS_PER_ITEM}")
         try:
             jit.check_prebuilt_identity(mod, so, so.stem, so.parent.name)
         except jit.KernelBuildError as exc:

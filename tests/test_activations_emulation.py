@@ -227,3 +227,29 @@ def test_nan_and_inf_propagate(emulated):
     for name, o, r in zip("qkgb", (qn, kn, g_act, b_act), refs):
         assert torch.equal(torch.isfinite(o), torch.isfinite(r)), name
         assert not torch.isfinite(o).all(), name
+
+
+def test_custom_ops_under_compile_equal_eager(emulated):
+    """The compiled route (kda_kcp::act_fwd / act_bwd with fake functions and registered autograd) compiles with
+    fullgraph=True and gives the eager route's activated tensors and gradients bit for bit; every activation on and
+    one off."""
+    from helpers import fresh_compile
+
+    for gate, beta in (("bounded_rate", True), ("softplus", None)):
+        x, cot = _case(1, 70, 1, 2, GATES[gate], True, beta, (BF16, F32, BF16, F32), seed=11)
+
+        def call(q, k, g, beta_raw, A_log, dt_bias):
+            outs = activations.fused_activations(q, k, g, beta_raw, A_log, dt_bias, 2, GATES[gate][2],
+                                                 2.0 if beta else 1.0)
+            return [o for o in outs if o is not None]
+
+        results = []
+        for fn in (call, fresh_compile(call, "aot_eager")):
+            leaves = _leaves(x)
+            args = [leaves.get(n) for n in ("q", "k", "g", "beta", "A_log", "dt_bias")]
+            outs = fn(*args)
+            results.append([o.detach() for o in outs] + list(_grads(outs + [None] * (4 - len(outs)), cot,
+                                                                    leaves).values()))
+        assert torch._dynamo.utils.counters["graph_break"] == {}
+        for a, b in zip(*results):
+            assert a.dtype == b.dtype and torch.equal(a, b)

@@ -44,7 +44,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(answer, answer);
 
 
 def make_root(where: Path, answer: int = 42, identity: bool = True, text: str | None = None, ext: str = "cc") -> Path:
-    """A source root with build.json naming kda_fwd and kda_bwd, both built from one tiny program."""
+    """A source root with build.json naming the CUDA backend's programs (kda_fwd, kda_bwd, kda_act), all built from
+    one tiny program."""
     (where / "csrc").mkdir(parents=True)
     shutil.copyfile(REPO / "csrc" / "kda_build_identity.h", where / "csrc" / "kda_build_identity.h")
     if text is None:
@@ -53,7 +54,7 @@ def make_root(where: Path, answer: int = 42, identity: bool = True, text: str | 
     prog = {"package": "common", "sources": [f"csrc/tiny.{ext}"], "headers": ["csrc/kda_build_identity.h"],
             "flags": ["-lineinfo"]}
     man = {"archs": {ARCH: {"buildable": True}},
-           "programs": [{"name": "kda_fwd", **prog}, {"name": "kda_bwd", **prog}]}
+           "programs": [{"name": name, **prog} for name in ("kda_fwd", "kda_bwd", "kda_act")]}
     (where / "build.json").write_text(json.dumps(man))
     return where
 

@@ -14,7 +14,7 @@ import torch
 
 from .. import status
 from ..archs import KERNEL_CAPABILITIES
-from . import backward, bwd_tables, forward, tuning
+from . import activations, backward, bwd_tables, forward, tuning
 from .common import _D, check_grid_bounds
 
 __all__ = ["CudaBackend"]
@@ -37,6 +37,7 @@ class CudaBackend:
             return
         forward.load(device)
         backward.load(device)
+        activations.load(device)
         status.word(device)  # made here, before any call (and so outside any CUDA graph capture)
         self._loaded.add(key)
 
