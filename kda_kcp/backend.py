@@ -51,6 +51,12 @@ class Backend(Protocol):
     def grad_output(self, do: torch.Tensor) -> torch.Tensor:
         """The output gradient in the dtype this backend's backward reads."""
 
+    def fused_activations(self, q, k, g, beta, A_log, dt_bias, heads_v: int, lower_bound, beta_scale: float):
+        """kda_kcp.chunk_kda's in-call activations in this backend's own fused pass, or None where it has none for
+        these tensors (kda_kcp.fla then runs its torch ops). q, k ``[B, T, H, K]`` (None: no norm) come back
+        normalised with ``heads_v`` heads; g ``[B, T, HV, K]`` (None: no gate) as the log decay; beta ``[B, T, HV]``
+        (None: no sigmoid) as ``beta_scale * sigmoid(beta)``; in this backend's input dtypes, differentiable."""
+
     def table_knobs(self) -> tuple:
         """What the backend's tables depend on besides the shapes (a key of caches computed from them)."""
 

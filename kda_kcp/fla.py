@@ -25,7 +25,6 @@ from .validate import check_flag
 __all__ = ["chunk_kda", "l2_normalize", "kda_gate", "beta_activation"]
 
 L2NORM_EPS = 1e-6  # FLA's l2norm epsilon (added to the sum of squares)
-_CUDA_HEAD_DIM = 128  # the CUDA kernels' K (another K goes to the CUDA backend's own check, which refuses it)
 
 
 def _compute_dtype(*xs) -> torch.dtype:
@@ -207,7 +206,7 @@ def chunk_kda(
     - ``deterministic``, ``workspace``: as in ``kda_kcp.chunk_kda_kcp``.
 
     The activations are differentiable. On the CUDA backend they run fused, one kernel pass each way
-    (``kda_kcp.cuda.activations``, csrc/kda_act.cu: FP32 math, q and k normalised before the GVA repeat, the
+    (the backend's ``fused_activations``: ``kda_kcp.cuda.activations``, csrc/kda_act.cu: FP32 math, q and k normalised before the GVA repeat, the
     gradients of ``A_log`` and ``dt_bias`` summed deterministically); they hand the KDA kernels q, k, beta in BF16 and
     g in FP32. On the torch backend they are the torch ops ``l2_normalize``, ``kda_gate`` and ``beta_activation``
     of this module (in FP32; FP64 for FP64 inputs), which are also the fused pass's reference. Either way the KDA
@@ -233,14 +232,14 @@ def chunk_kda(
 
     # off the GPU the torch backend runs (or, with KDA_KCP_BACKEND=cuda, the call raises at its checks)
     backend = select_backend(q.device, _package(deterministic).DETERMINISTIC) if q.is_cuda else TORCH
-    asked = use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel
-    if asked and backend.name == "cuda" and K == _CUDA_HEAD_DIM:
-        from .cuda.activations import fused_activations
-
-        q_act, k_act, g_act, beta_act = fused_activations(
+    fused = None
+    if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel:
+        fused = backend.fused_activations(
             q if use_qk_l2norm_in_kernel else None, k if use_qk_l2norm_in_kernel else None,
             g if use_gate_in_kernel else None, beta if use_beta_sigmoid_in_kernel else None,
             A_log, dt_bias, HV, lower_bound, 2.0 if allow_neg_eigval else 1.0)
+    if fused is not None:
+        q_act, k_act, g_act, beta_act = fused
         q, k = (q_act, k_act) if use_qk_l2norm_in_kernel else (q, k)  # normalised q, k come with HV heads
         g = g_act if use_gate_in_kernel else g
         beta = beta_act if use_beta_sigmoid_in_kernel else beta

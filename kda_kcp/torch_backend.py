@@ -127,6 +127,10 @@ class TorchBackend:
         return compute_dtype(*xs)
 
     @staticmethod
+    def fused_activations(q, k, g, beta, A_log, dt_bias, heads_v, lower_bound, beta_scale):
+        return None  # kda_kcp.fla's torch ops are this backend's activations
+
+    @staticmethod
     def input_dtypes(q, k, v, g, beta) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         qkv = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
         return qkv, (g.dtype if g.dtype in (torch.float32, torch.float64) else torch.float32), beta.dtype

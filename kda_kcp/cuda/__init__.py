@@ -1,7 +1,8 @@
 """CUDA backend: the forward and backward kernels of csrc/, loaded through kda_kcp.jit.
 
 Forward: csrc/kda_fwd.cu through ``.forward`` (a parallel chunk prep, then walks split over value
-columns, and the affine merge of segment summaries: FP32 states, 3xTF32 products). Backward: csrc/kda_bwd.cu through ``.backward``.
+columns, and the affine merge of segment summaries: FP32 states, 3xTF32 products). Backward: csrc/kda_bwd.cu through ``.backward``
+chunk_kda's in-call activations: csrc/kda_act.cu through ``.activations`` (``fused_activations``).
 
 Tensors: q, k, v bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
 indexed [run, head, key, value]; summaries (M [n, H, K, K], E [n, H, K, V]) with S_next = M @ S + E.
@@ -69,6 +70,14 @@ class CudaBackend:
     @staticmethod
     def summary_dtype(*xs: torch.Tensor) -> torch.dtype:
         return torch.float32  # FP32 summaries, states and exchange for any input dtype
+
+    @staticmethod
+    def fused_activations(q, k, g, beta, A_log, dt_bias, heads_v, lower_bound, beta_scale):
+        """One kernel pass each way (kda_kcp.cuda.activations); None for a head dim other than 128, which the
+        call's own checks then refuse."""
+        if any(x is not None and x.shape[-1] != _D for x in (q, g)):
+            return None
+        return activations.fused_activations(q, k, g, beta, A_log, dt_bias, heads_v, lower_bound, beta_scale)
 
     @staticmethod
     def input_dtypes(q, k, v, g, beta) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
