@@ -1,7 +1,7 @@
 """CUDA backend: the forward and backward kernels of csrc/, loaded through kda_kcp.jit.
 
 Forward: csrc/kda_fwd.cu through ``.forward`` (a parallel chunk prep, then walks split over value
-columns, and the affine merge of segment summaries: FP32 states, 3xTF32 products). Backward: csrc/kda_bwd.cu through ``.backward``
+columns, and the affine merge of segment summaries: FP32 states, 3xTF32 products). Backward: csrc/kda_bwd.cu through ``.backward``.
 chunk_kda's in-call activations: csrc/kda_act.cu through ``.activations`` (``fused_activations``).
 
 Tensors: q, k, v bf16 [T, H, 128]; g fp32 [T, H, 128]; beta bf16 [T, H]; states fp32 [R, H, 128, 128]
