@@ -5,7 +5,7 @@
 # .build/pb_new), each made here by scripts/build_prebuilt.py. Each checkout loads only its own programs (their
 # build identities name their sources), so this is how an A/B across source changes runs. STAGES, in order:
 #   bitwise   o and every gradient of one det step (scripts/bitwise_builds.py) at each H in $BW_HEADS, base vs new
-#   tests     pytest $TEST_FILES on this tree (timeout $TEST_TIMEOUT)
+#   tests     pytest -v $TEST_FILES on this tree (timeout $TEST_TIMEOUT; one line per test, so a run cut short still names each result)
 #   sanitize  compute-sanitizer $SAN_TOOLS on $SAN_CMD (timeout $SAN_TIMEOUT each)
 #   ab        the benchmark's det arm (H in $AB_HEADS, ops $AB_OPS) in the order $AB_ORDER (base / new)
 #   cmd       bash -c "$CMD" on this tree
@@ -35,8 +35,8 @@ for st in ${STAGES:-bitwise tests sanitize}; do
       note "bitwise H=$h rc=$?: $(cat $OUT/bw_cmp$h.log | tr '\n' ' ' | cut -c1-400)"
     done;;
   tests)
-    new timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --durations=12 ${TEST_FILES:-tests/gpu/test_workspace_cuda.py tests/gpu/test_fwd_cuda.py tests/gpu/test_bwd_cuda.py} > $OUT/tests.log 2>&1
-    grep -E "FAILED|ERROR|Error" $OUT/tests.log | head -30
+    new timeout ${TEST_TIMEOUT:-330} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --durations=12 ${TEST_FILES:-tests/gpu/test_workspace_cuda.py tests/gpu/test_fwd_cuda.py tests/gpu/test_bwd_cuda.py} > $OUT/tests.log 2>&1
+    grep -E " FAILED| ERROR|^E " $OUT/tests.log | head -30
     note "tests: $(tail -1 $OUT/tests.log)";;
   sanitize)
     for tool in ${SAN_TOOLS:-memcheck}; do
