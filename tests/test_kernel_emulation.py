@@ -34,7 +34,7 @@ from kda_kcp.arena import Arena
 from kda_kcp.chunk import Prep, _masks, _prep_slab
 from kda_kcp.cuda import CudaBackend, forward
 from kda_kcp.cuda import backward as cb
-from kda_kcp.cuda import bwd_layout, bwd_tables
+from kda_kcp.cuda import bwd_layout, bwd_streams, bwd_tables
 from kda_kcp.plan import LocalPlan, build_plan
 from kda_kcp.reference import naive_kda
 from kda_kcp.torch_backend import TorchBackend, _chunk_set
@@ -619,6 +619,59 @@ def test_split_walks_are_bitwise_the_plain_backward(emu, monkeypatch, pieces):
             covered = sorted(c for j in range(grp.pieces) for a, b in grp.blocks[j] for c in range(a, b))
             assert covered == sorted(c for a, b in grp.ranges for c in range(a, b))
         _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
+
+
+def _random_valid_order(groups, rng):
+    """The pipelined backward's launches in a random order that keeps only what its streams and events enforce:
+    each chain's pieces in turn, each block's gradients after the two walk pieces it waits for."""
+    todo, done, order = bwd_streams.launch_order(groups), set(), []
+
+    def ready(launch):
+        gi, what, p = launch
+        if what == "grads":
+            return all(w in done for w in bwd_streams.launch_waits(groups, gi, p))
+        return p == 0 or (gi, what, p - 1) in done
+
+    while todo:
+        ready_now = [x for x in todo if ready(x)]
+        pick = ready_now[rng.randrange(len(ready_now))]
+        todo.remove(pick)
+        done.add(pick)
+        order.append(pick)
+    return order
+
+
+@pytest.mark.parametrize("tuned", ["auto", "pieces=3,groups=2", "pieces=2,groups=4"])
+def test_pipelined_backward_in_any_valid_order(emu, monkeypatch, tuned):
+    """On the GPU the pipelined backward's walk pieces and gradient blocks run on many streams, ordered only by each
+    stream's order and the events a gradient launch waits for (bwd_streams.launch_waits). Here they run one at a
+    time in random orders that keep just those (a block's gradients before every walk piece it does not wait for,
+    other groups' walks anywhere): every gradient must be the unpipelined backward's bit for bit. A dependency the
+    events miss (a gradient block reading a walk's output of another block, a hand-off read early) fails here.
+    Runs of 2, 4 and 1 chunks, and a batch in the model's own groups and pieces (``auto``), from given states."""
+    import random
+
+    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
+    if tuned == "auto":
+        set_tuning(monkeypatch, fwd_seg_chunks=None, bwd_seg_chunks=None)
+        cu = [0, 70, 300, 700]
+    else:
+        knobs = dict(kv.split("=") for kv in tuned.split(","))
+        set_tuning(monkeypatch, bwd_seg_chunks=0, bwd_walk_pieces=knobs["pieces"], bwd_walk_groups=knobs["groups"])
+        cu = [0, 70, 300, 330]
+    plan, inputs, do, sin, dso = _case(cu, 1, 17)
+    groups = bwd_tables.walk_groups(plan, 1, "cpu")
+    assert groups is not None and (len(groups) > 1 or groups[0].pieces > 1)
+    set_tuning(monkeypatch, bwd_pipeline=0)
+    plain = cb.PreparedBackward(*inputs, do, SCALE, plan).grads(sin, dso)
+    set_tuning(monkeypatch, bwd_pipeline=1)
+    rng = random.Random(tuned)
+    for trial in range(3):
+        order = _random_valid_order(groups, rng)
+        monkeypatch.setattr(bwd_streams, "launch_order", lambda groups, order=order: order)
+        got = cb.PreparedBackward(*inputs, do, SCALE, plan).grads(sin, dso)
+        for name, a, b in zip(NAMES, got, plain):
+            assert torch.equal(a, b), f"{name}: launch order {order} differs from the unpipelined backward"
 
 
 def _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 from . import tuning
 from .common import side_streams
 
-__all__ = ["both_walks", "pipelined_walks_and_grads"]
+__all__ = ["both_walks", "launch_order", "launch_waits", "pipelined_walks_and_grads", "run_in_order"]
 
 
 def both_walks(rev_chain, fwd_chain, device) -> None:
@@ -36,34 +36,14 @@ def both_walks(rev_chain, fwd_chain, device) -> None:
     main.wait_stream(side)  # buffers used on the side stream are freed (or reused) on main only after this
 
 
-def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None:
-    """Every group's walks, each group's reverse and forward chain on two side streams of its own at high priority,
-    piece by piece (``WalkGroup``), and the gradients of each block of each group on a side stream of their own at
-    normal priority, each once the forward and the reverse piece of that block end (``WalkGroup.ready``: when that
-    is expected); everything enqueued in the order it is expected to start (the longest group's first on ties);
-    joined at the end. High priority: a walk piece launched while gradient CTAs wait for SMs takes the next SM free
-    instead of queueing behind whole gradient launches (a chain's pieces are serial). On the CPU (the emulated
-    kernels) the same launches run in order."""
-    if torch.device(device).type != "cuda" or not tuning.bwd_walk_streams():
-        for grp in groups[::-1]:
-            for p in range(grp.pieces):
-                launch_walk(grp, "rev", p)
-            for p in range(grp.pieces):
-                launch_walk(grp, "fwd", p)
-        for grp in groups:
-            for blk in grp.blocks:
-                launch_grads(blk)
-        return
-    main = torch.cuda.current_stream(device)
-    walk_pool = side_streams("bwd_walks", main.device, 2 * len(groups), priority=-1)
-    grads_pool = side_streams("bwd_grads", main.device, sum(grp.pieces for grp in groups))
-    for s in walk_pool + grads_pool:
-        s.wait_stream(main)  # the records and buffers carved so far
-    # every launch with the time it is expected to start (forward walk steps from the walks' start): piece p of a
-    # chain at p / k of its group's walk, a block's gradients when both its pieces end (WalkGroup.ready); enqueued in
-    # that order, walks first on ties. The host enqueues a launch in ~10-20 us and the first gradients wait for
-    # nothing else, so they should not wait behind the later pieces of every chain (each piece's dependencies, its
-    # chain's earlier pieces, start earlier and come first).
+def launch_order(groups) -> list:
+    """The pipelined backward's launches in the order the host enqueues them: (group, what, piece), what in "fwd",
+    "rev", "grads" (piece p of "grads": block p's gradients). Each launch at the time it is expected to start (forward
+    walk steps from the walks' start): piece p of a chain at p / k of its group's walk, a block's gradients when both
+    its pieces end (``WalkGroup.ready``); walks first on ties, the longer groups' walks first among them. The host
+    enqueues a launch in ~10-20 us and the first gradients wait for nothing else, so they should not wait behind the
+    later pieces of every chain (each piece's dependencies, its chain's earlier pieces, start earlier and come
+    first). A block's gradients come after both walk pieces that pass it (``launch_waits``)."""
     launches = []  # (expected start, walks before gradients, ties: longer groups' walks first, group, what, piece)
     for gi, grp in enumerate(groups):
         k = grp.pieces
@@ -71,14 +51,40 @@ def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None
             launches.append((grp.longest * p / k, 0, -gi, gi, "fwd", p))
             launches.append((tuning.REV_STEP_RATIO * grp.longest * p / k, 0, -gi, gi, "rev", p))
             launches.append((grp.ready[p], 1, gi, gi, "grads", p))  # (block p)
-    done = {}  # (group, direction, block) -> the event recorded after that piece
+    return [(gi, what, p) for *_, gi, what, p in sorted(launches)]
+
+
+def launch_waits(groups, gi: int, p: int) -> tuple:
+    """The walk launches (group, what, piece) block p's gradients of group gi wait for: the forward piece p and
+    the reverse piece that passes block p (the reverse chain runs its blocks last to first)."""
+    return (gi, "fwd", p), (gi, "rev", groups[gi].rev_blocks.index(p))
+
+
+def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None:
+    """Every group's walks, each group's reverse and forward chain on two side streams of its own at high priority,
+    piece by piece (``WalkGroup``), and the gradients of each block of each group on a side stream of their own at
+    normal priority, each once the forward and the reverse piece of that block end (``launch_waits``); everything
+    enqueued in ``launch_order``; joined at the end. High priority: a walk piece launched while gradient CTAs wait
+    for SMs takes the next SM free instead of queueing behind whole gradient launches (a chain's pieces are
+    serial). On the CPU (the emulated kernels) the launches run one after the other in that order, so a gradient
+    launch runs before every walk piece it does not wait for: a dependency the events miss changes its result there."""
+    order = launch_order(groups)
+    if torch.device(device).type != "cuda" or not tuning.bwd_walk_streams():
+        run_in_order(groups, order, launch_walk, launch_grads)
+        return
+    main = torch.cuda.current_stream(device)
+    walk_pool = side_streams("bwd_walks", main.device, 2 * len(groups), priority=-1)
+    grads_pool = side_streams("bwd_grads", main.device, sum(grp.pieces for grp in groups))
+    for s in walk_pool + grads_pool:
+        s.wait_stream(main)  # the records and buffers carved so far
+    done = {}  # (group, what, piece) -> the event recorded after that walk piece
     streams = iter(grads_pool)
-    for *_, gi, what, p in sorted(launches):
+    for gi, what, p in order:
         grp = groups[gi]
         if what == "grads":
             s = next(streams)
-            s.wait_event(done[gi, "fwd", p])
-            s.wait_event(done[gi, "rev", p])
+            for w in launch_waits(groups, gi, p):
+                s.wait_event(done[w])
             with torch.cuda.stream(s):
                 launch_grads(grp.blocks[p])
             continue
@@ -87,6 +93,16 @@ def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None
             launch_walk(grp, what, p)
             ev = torch.cuda.Event()
             ev.record(stream)
-            done[gi, what, grp.rev_blocks[p] if what == "rev" else p] = ev
+            done[gi, what, p] = ev
     for s in walk_pool + grads_pool:
         main.wait_stream(s)  # buffers used on the side streams are freed (or reused) on main only after this
+
+
+def run_in_order(groups, order, launch_walk, launch_grads) -> None:
+    """The launches of ``order`` one after the other on the current stream (the CPU's emulated kernels, one stream,
+    and the tests' other valid orders: each chain's pieces in turn, each block's gradients after ``launch_waits``)."""
+    for gi, what, p in order:
+        if what == "grads":
+            launch_grads(groups[gi].blocks[p])
+        else:
+            launch_walk(groups[gi], what, p)
