@@ -5,6 +5,7 @@ watch:
     ncu --clock-control none -k regex:"prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" \
         python scripts/profile_step.py --heads 16
     compute-sanitizer --tool memcheck python scripts/profile_step.py --heads 2 --docs 1 65 700 300
+    compute-sanitizer --tool memcheck python scripts/profile_step.py --heads 1 --docs 128x70000  # 140,000 chunks
 """
 
 import argparse
@@ -44,12 +45,26 @@ def run_step(docs, H, deterministic=True):
     return (o.detach(), *torch.autograd.grad(o, (q, k, v, g, beta), torch.randn_like(o)))
 
 
+def doc_lengths(items) -> list[int]:
+    """Document lengths from ``--docs`` items: N, or NxM for M documents of N tokens (70,000 documents fit a
+    command line only that way)."""
+    out = []
+    for item in items:
+        n, _, m = item.partition("x")
+        if not n.isdigit() or (m and not m.isdigit()):
+            raise SystemExit(f"profile_step: --docs item {item!r} is neither N nor NxM")
+        out += [int(n)] * (int(m) if m else 1)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--deterministic", type=int, default=1)
-    p.add_argument("--docs", nargs="+", type=int, default=list(DOCS), help="document lengths")
+    p.add_argument("--docs", nargs="+", default=[str(n) for n in DOCS],
+                   help="document lengths: N, or NxM for M documents of N tokens (e.g. 65x32768)")
     args = p.parse_args()
+    args.docs = doc_lengths(args.docs)
     run_step(args.docs, args.heads, bool(args.deterministic))
     torch.cuda.synchronize()
     print(f"profile_step: H={args.heads} T={sum(args.docs)} done")

@@ -12,10 +12,11 @@ order of operations and no atomics; the calls choose the same whole-run walks (s
 that differ between them (walk CTA widths, pipelined run groups) give the same bits. So o and every gradient must
 equal the smaller calls' bit for bit; a first, looser check (relative error at most 2^-8, BF16's rounding of one
 element) tells a wrong result from a rounding difference. The CPU emulation reaches the same paths with a few chunks
-(tests/test_kernel_grids.py). compute-sanitizer memcheck on the first case (the NaN-poisoned outputs and the
-smaller calls included):
+(tests/test_kernel_grids.py). compute-sanitizer on one forward + backward of each batch (the pytest cases, with their
+smaller calls beside, need more GPU memory than the sanitizer leaves):
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python -m pytest -q tests/gpu/test_large_counts.py -k 65536
+    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/profile_step.py --heads 2 --docs 65x32768
+    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/profile_step.py --heads 1 --docs 128x70000
 """
 
 from __future__ import annotations
