@@ -20,7 +20,7 @@ from .backend import TORCH, select_backend
 from .context import KcpContext
 from .library import chunk_kda_op
 from .packing import packed_context
-from .validate import check_flag
+from .validate import check_flag, check_scale, check_state_for
 
 __all__ = ["chunk_kda", "l2_normalize", "kda_gate", "beta_activation"]
 
@@ -73,6 +73,18 @@ _REFUSED_FLAGS = {
     "state_v_first": "kda_kcp's states are [N, H, K, V] (FLA's default layout) only",
     "use_graph": "not needed: a kda_kcp call is CUDA-graph capturable with a WorkspaceKcp (workspace=)",
 }
+
+
+def _check_before_activations(backend, tensors, scale, initial_state, ctx, HV: int) -> None:
+    """The KDA call's checks that do not need the activated tensors: the backend's head dims, the scale and the
+    initial state's shape, dtype, device and layout (the rest hold by construction: the activations' outputs are
+    new contiguous tensors in the dtypes the backend takes)."""
+    q, v = tensors[0], tensors[2]
+    K, V = q.shape[-1], v.shape[-1]
+    backend.check_head_dims(K, V)
+    check_scale(scale, K)
+    if ctx is not None:
+        check_state_for(initial_state, ctx.num_docs, HV, K, V, q.device, backend.summary_dtype(*tensors))
 
 
 def _check_options(flags: dict, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -234,6 +246,8 @@ def chunk_kda(
     backend = select_backend(q.device, _package(deterministic).DETERMINISTIC) if q.is_cuda else TORCH
     fused = None
     if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel:
+        # what the KDA call would refuse is refused before the fused pass launches anything
+        _check_before_activations(backend, (q, k, v, g, beta), scale, initial_state, ctx, HV)
         fused = backend.fused_activations(
             q if use_qk_l2norm_in_kernel else None, k if use_qk_l2norm_in_kernel else None,
             g if use_gate_in_kernel else None, beta if use_beta_sigmoid_in_kernel else None,

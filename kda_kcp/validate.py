@@ -10,7 +10,7 @@ import torch
 from .exchange import collective_device
 
 __all__ = ["check_inputs", "check_grad_output", "check_scale", "check_flag", "values_requested", "check_values",
-           "check_initial_state", "check_final_state_grad"]
+           "check_initial_state", "check_state_for", "check_final_state_grad"]
 
 def check_flag(name: str, value) -> bool:
     if not isinstance(value, bool):
@@ -122,9 +122,13 @@ def check_grad_output(do, q, v) -> None:
 def check_initial_state(h0, num_docs: int, q, v, state_dtype: torch.dtype) -> None:
     """``initial_state``: None, or [N, H, K, V] (N = the context's documents) on q's device, contiguous, float32;
     float64 too when the call's states are FP64 (the torch backend with an FP64 input: ``state_dtype``)."""
+    check_state_for(h0, num_docs, q.shape[1], q.shape[2], v.shape[2], q.device, state_dtype)
+
+
+def check_state_for(h0, num_docs: int, H: int, K: int, V: int, device, state_dtype: torch.dtype) -> None:
+    """``check_initial_state`` from the call's sizes and device (before its packed tensors exist)."""
     if h0 is None:
         return
-    H, K, V = q.shape[1], q.shape[2], v.shape[2]
     want = [num_docs, H, K, V]
     if not isinstance(h0, torch.Tensor):
         raise TypeError(f"initial_state must be a torch.Tensor of shape [N, H, K, V] = {want} or None, "
@@ -135,8 +139,8 @@ def check_initial_state(h0, num_docs: int, q, v, state_dtype: torch.dtype) -> No
     if h0.dtype != torch.float32 and not (h0.dtype == torch.float64 == state_dtype):
         also = " (or float64, as the call computes in FP64)" if state_dtype == torch.float64 else ""
         raise TypeError(f"initial_state must be float32{also}, got {h0.dtype}")
-    if h0.device != q.device:
-        raise ValueError(f"initial_state is on {h0.device} but q is on {q.device}")
+    if h0.device != torch.device(device):
+        raise ValueError(f"initial_state is on {h0.device} but q is on {device}")
     if not h0.is_contiguous():
         raise ValueError(f"initial_state must be contiguous (call .contiguous() first); got strides {h0.stride()}")
 

@@ -241,6 +241,45 @@ def test_bad_inputs_raise_before_running():
         kda_kcp.chunk_kda(**{n: x[:, :10] for n, x in tensors.items()}, cp_context=ctx)
 
 
+class _RecordingBackend:
+    """The torch backend, but refusing head dims other than (K, V) (as the CUDA backend refuses all but 128) and
+    recording whether the fused activation pass was asked for."""
+
+    def __init__(self, real):
+        self.real, self.fused_calls = real, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def check_head_dims(self, head_dim, value_dim):
+        if (head_dim, value_dim) != (K, V):
+            raise ValueError(f"this backend supports head dims {K}, {V} only, got {head_dim}, {value_dim}")
+
+    def fused_activations(self, *args):
+        self.fused_calls += 1
+        return None
+
+
+def test_bad_calls_raise_before_the_fused_activations(monkeypatch):
+    """With in-call activations, what the KDA call would refuse (the backend's head dims, the scale, the initial
+    state) is refused before the backend's fused activation pass runs (on the CUDA backend: before its kernels)."""
+    backend = _RecordingBackend(fla_call.TORCH)
+    monkeypatch.setattr(fla_call, "TORCH", backend)
+    tensors, params, _ = make_call_inputs(1, 20, seed=5, raw_qk=True)
+    opts = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=torch.tensor([0, 7, 20]))
+    cases = {
+        "supports head dims 8, 6 only": dict(tensors, v=torch.randn(1, 20, H, V + 1, dtype=F64)),
+        "scale must be a finite positive number": dict(tensors, scale=-1.0),
+        "initial_state must be": dict(tensors, initial_state=torch.zeros(3, H, K, V, dtype=F64)),
+    }
+    for message, kw in cases.items():
+        with pytest.raises(ValueError, match=message):
+            kda_kcp.chunk_kda(**kw, **opts)
+    assert backend.fused_calls == 0
+    kda_kcp.chunk_kda(**tensors, **opts)  # a good call reaches it
+    assert backend.fused_calls == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_output_shape_and_dtype(dtype):
     tensors, params, do = make_call_inputs(2, 20, seed=4, HV=2 * H, raw_gate=True, raw_beta=True, dtype=dtype)
