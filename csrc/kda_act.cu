@@ -107,6 +107,16 @@ __device__ __forceinline__ float2 gate_slopes(const Inputs& in, const GateHead& 
   return in.gate_form == kBoundedRate ? make_float2(ds * h.rate, ds * h.rate * x) : make_float2(ds, 0.f);
 }
 
+// Where a warp is in the grid: warp w takes item w, i.e. kRowsPerItem consecutive tokens of one head.
+struct WarpItem {
+  int lane;
+  int64_t item;
+  int64_t nitem;  // items per head
+  __device__ __forceinline__ WarpItem(int64_t N)
+      : lane(threadIdx.x & 31), item(static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5)), nitem(num_items(N)) {}
+  __device__ __forceinline__ bool within(int heads) const { return item < nitem * heads; }
+};
+
 struct Item {
   int64_t t0, t1;  // token rows [t0, t1)
   int head;
@@ -118,125 +128,163 @@ struct Item {
   }
 };
 
-// One q or k row of head h at token t: normalised, written for the G value heads of h; its inverse norm to r.
+// An item's rows are taken kBatch at a time, every load of a batch issued before any of its stores: the pointers
+// may alias for all the compiler knows, so row by row each load would wait behind the previous row's store, one
+// row in flight per warp. The arithmetic of each row is the same either way.
+constexpr int kBatch = 4;
+// The gate's backward reads an fp32 gradient row beside each gate row, twice a bf16 q row's bytes: half the rows
+// per batch keep as many bytes in flight (and at 4 its bf16 variants spill registers).
+constexpr int kGateGradBatch = 2;
+
+// The q or k rows of an item: normalised, written for the G value heads of their head; the inverse norms to r.
 template <class TQ>
-__device__ __forceinline__ void normalize_row(const void* x_raw, void* y_out, float* r_out, int64_t t, int h,
-                                              const Inputs& in, int lane) {
-  float x[4];
-  Row4<TQ>::load(x_raw, (t * in.H + h) * kHeadDim + 4 * lane, x);
-  const float ss = warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]);
-  const float r = 1.f / sqrtf(ss + kNormEps);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) x[e] *= r;
+__device__ __forceinline__ void normalize_rows(const void* x_raw, void* y_out, float* r_out, const Item& it,
+                                               const Inputs& in, int lane) {
   const int G = in.HV / in.H;
-  for (int j = 0; j < G; ++j) Bf16Row::store(y_out, (t * in.HV + h * G + j) * kHeadDim + 4 * lane, x);
-  if (lane == 0) r_out[t * in.H + h] = r;
+  for (int64_t t0 = it.t0; t0 < it.t1; t0 += kBatch) {
+    float x[kBatch][4];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+      if (t0 + b < it.t1) Row4<TQ>::load(x_raw, ((t0 + b) * in.H + it.head) * kHeadDim + 4 * lane, x[b]);
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t t = t0 + b;
+      if (t >= it.t1) break;
+      const float ss = warp_sum(x[b][0] * x[b][0] + x[b][1] * x[b][1] + x[b][2] * x[b][2] + x[b][3] * x[b][3]);
+      const float r = 1.f / sqrtf(ss + kNormEps);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[b][e] *= r;
+      for (int j = 0; j < G; ++j) Bf16Row::store(y_out, (t * in.HV + it.head * G + j) * kHeadDim + 4 * lane, x[b]);
+      if (lane == 0) r_out[t * in.H + it.head] = r;
+    }
+  }
+}
+
+// The betas of an item, one token per lane: sigmoid(beta) beta_scale (forward) or its chain rule (backward).
+template <class TB>
+__device__ __forceinline__ void beta_rows(const Inputs& in, const Item& it, int lane, const void* dbeta_out,
+                                          void* out) {
+  for (int64_t t = it.t0 + lane; t < it.t1; t += 32) {
+    const int64_t off = t * in.HV + it.head;
+    const float s = sigmoid(Row4<TB>::load1(in.beta, off));
+    if (dbeta_out == nullptr)
+      Bf16Row::store1(out, off, in.beta_scale * s);
+    else
+      Row4<TB>::store1(out, off, Bf16Row::load1(dbeta_out, off) * in.beta_scale * (1.f - s) * s);
+  }
 }
 
 template <class TQ, class TG, class TB>
 __global__ void __launch_bounds__(kThreads) act_fwd_kernel(const FwdArgs a) {
   const Inputs& in = a.in;
-  const int lane = threadIdx.x & 31;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  const int64_t nitem = num_items(in.N);
-  if (in.q != nullptr && item < nitem * in.H) {
-    const Item it(item, in.H, in.N);
-    for (int64_t t = it.t0; t < it.t1; ++t) {
-      normalize_row<TQ>(in.q, a.qn, a.rq, t, it.head, in, lane);
-      normalize_row<TQ>(in.k, a.kn, a.rk, t, it.head, in, lane);
-    }
+  const WarpItem w(in.N);
+  if (in.q != nullptr && w.within(in.H)) {
+    const Item it(w.item, in.H, in.N);
+    normalize_rows<TQ>(in.q, a.qn, a.rq, it, in, w.lane);
+    normalize_rows<TQ>(in.k, a.kn, a.rk, it, in, w.lane);
   }
-  if (item >= nitem * in.HV) return;
-  const Item it(item, in.HV, in.N);
+  if (!w.within(in.HV)) return;
+  const Item it(w.item, in.HV, in.N);
   if (in.g != nullptr) {
-    const GateHead gh(in, it.head, lane);
-    for (int64_t t = it.t0; t < it.t1; ++t) {
-      const int64_t off = (t * in.HV + it.head) * kHeadDim + 4 * lane;
-      float x[4];
-      Row4<TG>::load(in.g, off, x);
+    const GateHead gh(in, it.head, w.lane);
+    for (int64_t t0 = it.t0; t0 < it.t1; t0 += kBatch) {
+      float x[kBatch][4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] = gate_value(in, gh, x[e] + gh.bias[e]);
-      Row4<float>::store(a.g_out, off, x);
+      for (int b = 0; b < kBatch; ++b)
+        if (t0 + b < it.t1) Row4<TG>::load(in.g, ((t0 + b) * in.HV + it.head) * kHeadDim + 4 * w.lane, x[b]);
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        if (t0 + b >= it.t1) break;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[b][e] = gate_value(in, gh, x[b][e] + gh.bias[e]);
+        Row4<float>::store(a.g_out, ((t0 + b) * in.HV + it.head) * kHeadDim + 4 * w.lane, x[b]);
+      }
     }
   }
-  if (in.beta != nullptr) {
-    for (int64_t t = it.t0 + lane; t < it.t1; t += 32) {
-      const int64_t off = t * in.HV + it.head;
-      Bf16Row::store1(a.beta_out, off, in.beta_scale * sigmoid(Row4<TB>::load1(in.beta, off)));
-    }
-  }
+  if (in.beta != nullptr) beta_rows<TB>(in, it, w.lane, nullptr, a.beta_out);
 }
 
-// The gradient of one q or k row of head h at token t: dy summed over its G value heads (FP32), then
-// (dy - y <y, dy>) r, y = x r recomputed from the raw row and the saved inverse norm.
+// The gradients of an item's q or k rows: dy summed over its G value heads (FP32), then (dy - y <y, dy>) r,
+// y = x r recomputed from the raw row and the saved inverse norm.
 template <class TQ>
-__device__ __forceinline__ void normalize_row_grad(const void* x_raw, const float* r_in, const void* dy_in, void* dx_out,
-                                                   int64_t t, int h, const Inputs& in, int lane) {
-  float x[4], dy[4] = {0.f, 0.f, 0.f, 0.f};
-  const int64_t off = (t * in.H + h) * kHeadDim + 4 * lane;
-  Row4<TQ>::load(x_raw, off, x);
+__device__ __forceinline__ void normalize_rows_grad(const void* x_raw, const float* r_in, const void* dy_in,
+                                                    void* dx_out, const Item& it, const Inputs& in, int lane) {
   const int G = in.HV / in.H;
-  for (int j = 0; j < G; ++j) {
-    float d[4];
-    Bf16Row::load(dy_in, (t * in.HV + h * G + j) * kHeadDim + 4 * lane, d);
+  for (int64_t t0 = it.t0; t0 < it.t1; t0 += kBatch) {
+    float x[kBatch][4], dy[kBatch][4], r[kBatch];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dy[e] += d[e];
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t t = t0 + b;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dy[b][e] = 0.f;
+      if (t >= it.t1) continue;
+      Row4<TQ>::load(x_raw, (t * in.H + it.head) * kHeadDim + 4 * lane, x[b]);
+      r[b] = r_in[t * in.H + it.head];
+      for (int j = 0; j < G; ++j) {
+        float d[4];
+        Bf16Row::load(dy_in, (t * in.HV + it.head * G + j) * kHeadDim + 4 * lane, d);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dy[b][e] += d[e];
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (t0 + b >= it.t1) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[b][e] *= r[b];
+      const float dot =
+          warp_sum(x[b][0] * dy[b][0] + x[b][1] * dy[b][1] + x[b][2] * dy[b][2] + x[b][3] * dy[b][3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dy[b][e] = (dy[b][e] - x[b][e] * dot) * r[b];
+      Row4<TQ>::store(dx_out, ((t0 + b) * in.H + it.head) * kHeadDim + 4 * lane, dy[b]);
+    }
   }
-  const float r = r_in[t * in.H + h];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) x[e] *= r;
-  const float dot = warp_sum(x[0] * dy[0] + x[1] * dy[1] + x[2] * dy[2] + x[3] * dy[3]);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) dy[e] = (dy[e] - x[e] * dot) * r;
-  Row4<TQ>::store(dx_out, off, dy);
 }
 
 template <class TQ, class TG, class TB>
 __global__ void __launch_bounds__(kThreads) act_bwd_kernel(const BwdArgs a) {
   const Inputs& in = a.in;
-  const int lane = threadIdx.x & 31;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  const int64_t nitem = num_items(in.N);
-  if (in.q != nullptr && item < nitem * in.H) {
-    const Item it(item, in.H, in.N);
-    for (int64_t t = it.t0; t < it.t1; ++t) {
-      normalize_row_grad<TQ>(in.q, a.rq, a.dqn, a.dq, t, it.head, in, lane);
-      normalize_row_grad<TQ>(in.k, a.rk, a.dkn, a.dk, t, it.head, in, lane);
-    }
+  const WarpItem w(in.N);
+  if (in.q != nullptr && w.within(in.H)) {
+    const Item it(w.item, in.H, in.N);
+    normalize_rows_grad<TQ>(in.q, a.rq, a.dqn, a.dq, it, in, w.lane);
+    normalize_rows_grad<TQ>(in.k, a.rk, a.dkn, a.dk, it, in, w.lane);
   }
-  if (item >= nitem * in.HV) return;
-  const Item it(item, in.HV, in.N);
+  if (!w.within(in.HV)) return;
+  const Item it(w.item, in.HV, in.N);
   if (in.g != nullptr) {
-    const GateHead gh(in, it.head, lane);
-    float acc_dt[4] = {0.f, 0.f, 0.f, 0.f}, acc_a = 0.f;  // this lane's partial sums over the item's tokens
-    for (int64_t t = it.t0; t < it.t1; ++t) {
-      const int64_t off = (t * in.HV + it.head) * kHeadDim + 4 * lane;
-      float x[4], dgo[4];
-      Row4<TG>::load(in.g, off, x);
-      Row4<float>::load(a.dg_out, off, dgo);
+    const GateHead gh(in, it.head, w.lane);
+    float acc_dt[4] = {0.f, 0.f, 0.f, 0.f}, acc_a = 0.f;  // this lane's partial sums over the item's tokens, in order
+    for (int64_t t0 = it.t0; t0 < it.t1; t0 += kGateGradBatch) {
+      float x[kGateGradBatch][4], dgo[kGateGradBatch][4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 s = gate_slopes(in, gh, x[e] + gh.bias[e]);
-        x[e] = dgo[e] * s.x;
-        acc_dt[e] += x[e];
-        acc_a += dgo[e] * s.y;
+      for (int b = 0; b < kGateGradBatch; ++b) {
+        if (t0 + b >= it.t1) continue;
+        const int64_t off = ((t0 + b) * in.HV + it.head) * kHeadDim + 4 * w.lane;
+        Row4<TG>::load(in.g, off, x[b]);
+        Row4<float>::load(a.dg_out, off, dgo[b]);
       }
-      Row4<TG>::store(a.dg, off, x);
+#pragma unroll
+      for (int b = 0; b < kGateGradBatch; ++b) {
+        if (t0 + b >= it.t1) break;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 s = gate_slopes(in, gh, x[b][e] + gh.bias[e]);
+          x[b][e] = dgo[b][e] * s.x;
+          acc_dt[e] += x[b][e];
+          acc_a += dgo[b][e] * s.y;
+        }
+        Row4<TG>::store(a.dg, ((t0 + b) * in.HV + it.head) * kHeadDim + 4 * w.lane, x[b]);
+      }
     }
-    const int64_t slot = (item / in.HV) * in.HV + it.head;  // (item index, head) of the partial buffers
-    if (a.part_dt != nullptr) Row4<float>::store(a.part_dt, slot * kHeadDim + 4 * lane, acc_dt);
+    const int64_t slot = (w.item / in.HV) * in.HV + it.head;  // (item index, head) of the partial buffers
+    if (a.part_dt != nullptr) Row4<float>::store(a.part_dt, slot * kHeadDim + 4 * w.lane, acc_dt);
     if (a.part_a != nullptr) {
       acc_a = warp_sum(acc_a);
-      if (lane == 0) a.part_a[slot] = acc_a;
+      if (w.lane == 0) a.part_a[slot] = acc_a;
     }
   }
-  if (in.beta != nullptr) {
-    for (int64_t t = it.t0 + lane; t < it.t1; t += 32) {
-      const int64_t off = t * in.HV + it.head;
-      const float s = sigmoid(Row4<TB>::load1(in.beta, off));
-      Row4<TB>::store1(a.dbeta, off, Bf16Row::load1(a.dbeta_out, off) * in.beta_scale * (1.f - s) * s);
-    }
-  }
+  if (in.beta != nullptr) beta_rows<TB>(in, it, w.lane, a.dbeta_out, a.dbeta);
 }
 
 template <class Q, class G, class B>
