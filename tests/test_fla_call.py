@@ -215,6 +215,18 @@ def test_the_supported_values_of_fla_only_options_are_accepted():
     assert torch.equal(o, ref)
 
 
+def test_rows_without_tokens_are_documents():
+    """B rows of T = 0 tokens are B empty sequences, as with T > 0: B initial states go in, and each comes back
+    unchanged as its sequence's final state."""
+    tensors, _, _ = make_call_inputs(3, 0, seed=2)
+    h0 = torch.randn(3, H, K, V, dtype=F64, generator=torch.Generator().manual_seed(3))
+    o, ht = kda_kcp.chunk_kda(**tensors, initial_state=h0, output_final_state=True)
+    assert o.shape == (3, 0, H, V)
+    assert torch.equal(ht, h0)
+    _, ht = kda_kcp.chunk_kda(**tensors, output_final_state=True)
+    assert ht.shape == (3, H, K, V) and not ht.any()
+
+
 def test_bad_inputs_raise_before_running():
     tensors, _, _ = make_call_inputs(1, 20, seed=3)
     bad = {
