@@ -134,6 +134,9 @@ def _check_tensors(q, k, v, g, beta, A_log, dt_bias):
             raise ValueError(f"chunk_kda: {name} must be {want}, got shape {tuple(x.shape)}")
     B, T, H, K = q.shape
     HV = v.shape[2]
+    if B < 1 or H < 1:
+        raise ValueError(f"chunk_kda: q [B, T, H, K] must hold at least one sequence and at least one head, "
+                         f"got shape {tuple(q.shape)}")
     if tuple(k.shape) != (B, T, H, K):
         raise ValueError(f"chunk_kda: k must have q's shape {[B, T, H, K]}, got {list(k.shape)}")
     if v.shape[:2] != (B, T) or HV % H != 0 or HV < H:

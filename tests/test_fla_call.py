@@ -236,6 +236,8 @@ def test_bad_inputs_raise_before_running():
         "beta must be": dict(tensors, beta=tensors["beta"][..., None]),
         "q must be": dict(tensors, q=tensors["q"][0]),
         "cu_seqlens ends at 19": dict(tensors, cu_seqlens=torch.tensor([0, 19])),
+        "at least one head": {n: x[:, :, :0] for n, x in tensors.items()},
+        "at least one sequence": {n: x[:0] for n, x in tensors.items()},
     }
     for message, kw in bad.items():
         with pytest.raises(ValueError, match=message):
