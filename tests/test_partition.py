@@ -97,6 +97,7 @@ def test_shard_and_unshard_check_their_argument():
         (torch.tensor([[0, 3]]), ValueError),
         ("0,3", TypeError),
         ([0, 2.5], TypeError),
+        (torch.tensor([0, 3], device="meta"), ValueError),
     ],
 )
 def test_bad_cu_seqlens(cu, exc):
