@@ -239,6 +239,8 @@ def chunk_kda(
     _check_options(flags, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
                    use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
     B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
+    if isinstance(initial_state, torch.Tensor):  # any layout, as FLA takes it (e.g. one state expanded over B)
+        initial_state = initial_state.contiguous()
     compiling = torch.compiler.is_compiling()  # the custom op then makes the context when it runs (kda_kcp.library)
     ctx = None if compiling else packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
     out_dtype = q.dtype

@@ -227,6 +227,20 @@ def test_rows_without_tokens_are_documents():
     assert ht.shape == (3, H, K, V) and not ht.any()
 
 
+def test_an_initial_state_of_any_layout():
+    """initial_state need not be contiguous, as in FLA (which makes its tensor arguments contiguous): one learned
+    state expanded over the B rows gives the materialized state's result, and its gradient is the rows' sum."""
+    tensors, _, do = make_call_inputs(3, 20, seed=7)
+    learned = torch.randn(1, H, K, V, dtype=F64, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    rows = learned.detach().expand(3, H, K, V).clone().requires_grad_()
+    o_rows, ht_rows = kda_kcp.chunk_kda(**tensors, initial_state=rows, output_final_state=True)
+    o, ht = kda_kcp.chunk_kda(**tensors, initial_state=learned.expand(3, H, K, V), output_final_state=True)
+    assert torch.equal(o, o_rows) and torch.equal(ht, ht_rows)
+    for out, state in (((o, ht), learned), ((o_rows, ht_rows), rows)):
+        ((out[0] * do).sum() + out[1].sum()).backward()
+    assert torch.allclose(learned.grad, rows.grad.sum(0, keepdim=True), rtol=1e-12, atol=0)
+
+
 def test_bad_inputs_raise_before_running():
     tensors, _, _ = make_call_inputs(1, 20, seed=3)
     bad = {
