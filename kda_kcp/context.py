@@ -74,18 +74,21 @@ class KcpContext:
         """Whether ``other`` is this rank's view of the same split (same cu_seqlens, layout, world size, rank)."""
         return other is self or (other.rank == self.rank and other.fingerprint == self.fingerprint)
 
+    @staticmethod
+    def _check_rows(what: str, x, rows: int, which: str) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} expects a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[0] != rows:
+            raise ValueError(f"{what} expects a tensor with {which} = {rows} rows, got shape {tuple(x.shape)}")
+
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a global [T, ...] tensor, in local order (a new tensor)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"shard expects a torch.Tensor, got {type(x).__name__}")
-        if x.dim() < 1 or x.shape[0] != self.num_tokens:
-            raise ValueError(f"shard expects a tensor with T = {self.num_tokens} rows, got shape {tuple(x.shape)}")
+        self._check_rows("shard", x, self.num_tokens, "T")
         return x.index_select(0, self.index_on(x.device))
 
     def unshard(self, x_local: torch.Tensor) -> torch.Tensor:
         """Scatter this rank's local tokens into a zero global [T, ...] tensor (other ranks' rows stay 0)."""
-        if x_local.shape[0] != self.local_tokens:
-            raise ValueError(f"unshard expects {self.local_tokens} local rows, got shape {tuple(x_local.shape)}")
+        self._check_rows("unshard", x_local, self.local_tokens, "the local T")
         out = x_local.new_zeros(self.num_tokens, *x_local.shape[1:])
         out[self.index_on(x_local.device)] = x_local
         return out

@@ -134,6 +134,9 @@ def _check_tensors(q, k, v, g, beta, A_log, dt_bias):
             raise ValueError(f"chunk_kda: {name} must be {want}, got shape {tuple(x.shape)}")
     B, T, H, K = q.shape
     HV = v.shape[2]
+    if B < 1 or H < 1:
+        raise ValueError(f"chunk_kda: q [B, T, H, K] must hold at least one sequence and at least one head, "
+                         f"got shape {tuple(q.shape)}")
     if tuple(k.shape) != (B, T, H, K):
         raise ValueError(f"chunk_kda: k must have q's shape {[B, T, H, K]}, got {list(k.shape)}")
     if v.shape[:2] != (B, T) or HV % H != 0 or HV < H:
@@ -236,6 +239,8 @@ def chunk_kda(
     _check_options(flags, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
                    use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
     B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
+    if isinstance(initial_state, torch.Tensor):  # any layout, as FLA takes it (e.g. one state expanded over B)
+        initial_state = initial_state.contiguous()
     compiling = torch.compiler.is_compiling()  # the custom op then makes the context when it runs (kda_kcp.library)
     ctx = None if compiling else packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
     out_dtype = q.dtype

@@ -163,8 +163,10 @@ class KimiDeltaAttention(nn.Module):
                  conv_size: int = 4, gate_low_rank_dim: int | None = None, gate_lower_bound: float | None = -5.0,
                  norm_eps: float = 1e-5, deterministic: bool = True, device=None, dtype=None):
         super().__init__()
-        if conv_size < 1:
-            raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+        for name, size in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim),
+                           ("conv_size", conv_size)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive int, got {size!r}")
         value_dim = int(head_dim * expand_v)
         if value_dim < 1 or value_dim != head_dim * expand_v:
             raise ValueError(f"head_dim * expand_v must be a positive integer, got {head_dim} * {expand_v}")
@@ -198,9 +200,11 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm_weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, cp_context=None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"KimiDeltaAttention expects x [B, T, {self.hidden_size}], got {got}")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"KimiDeltaAttention expects x, a torch.Tensor [B, T, {self.hidden_size}], got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size or x.shape[0] < 1:
+            raise ValueError(f"KimiDeltaAttention expects x [B, T, {self.hidden_size}] with B >= 1, got {tuple(x.shape)}")
         B, T, D = x.shape
         ctx = packed_context(B, T, cu_seqlens, None, cp_context)
         H, K, V = self.num_heads, self.head_dim, self.value_dim

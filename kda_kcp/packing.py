@@ -70,7 +70,7 @@ def packed_context(B, T, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None) 
     if cu_seqlens is None:
         if cu_seqlens_cpu is not None:
             raise ValueError("chunk_kda: cu_seqlens_cpu was given without cu_seqlens")
-        return _single_rank_context(list(range(0, B * T + 1, T)) if T > 0 else [0, 0])
+        return _single_rank_context([b * T for b in range(B + 1)])  # B documents, empty ones too when T = 0
     if B != 1:
         raise ValueError(f"chunk_kda: the batch size must be 1 with cu_seqlens (flatten the documents into one row), got B = {B}")
     if cu_seqlens_cpu is not None:

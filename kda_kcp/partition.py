@@ -29,6 +29,8 @@ def check_cu_seqlens(cu_seqlens, name: str = "cu_seqlens") -> list[int]:
             raise ValueError(f"{name} must be a 1-D tensor of N + 1 offsets, got shape {tuple(cu_seqlens.shape)}")
         if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
             raise TypeError(f"{name} must hold integers (int32 or int64), got {cu_seqlens.dtype}")
+        if cu_seqlens.is_meta:
+            raise ValueError(f"{name} is a meta tensor: its offsets must be values (a CPU or CUDA tensor, or a list)")
         values = [int(x) for x in cu_seqlens.detach().cpu().tolist()]
     elif isinstance(cu_seqlens, (list, tuple)):
         values = []

@@ -10,6 +10,8 @@ start values and leave through the summaries of the runs that start and end a do
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,26 @@ class KdaSaved:
         if self.state_in is not None or self.initial_state is None:
             return self.state_in
         return run_rows(self.initial_state, docs, dtype)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")  # the device types of the library's backends
+
+
+def _without_autocast(step):
+    """``step`` with torch.autocast off: a call computes in its own dtypes (states and summaries FP32, FP64 for
+    FP64 inputs), while inside an autocast region torch's matmuls would return BF16 and mix with them."""
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        on = [device for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
+        if not on:
+            return step(*args, **kwargs)
+        with contextlib.ExitStack() as region:
+            for device in on:
+                region.enter_context(torch.autocast(device, enabled=False))
+            return step(*args, **kwargs)
+
+    return run
 
 
 def _exchange_and_merge(ctx, summarize, publish, slots, sources, q, v, dt, xbuf, arena, out, after_summaries=None,
@@ -103,6 +125,7 @@ class ForwardCall:
     the first step made none, then the output pass (and the final states when asked for). Inputs are read, never
     written."""
 
+    @_without_autocast
     def __init__(self, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace=None,
                  walk_early=None, initial_state=None, output_final_state=False):
         """``dt``: the states' dtype; ``xbuf``: the exchange buffer (None: allocated); ``arena``: the backend's
@@ -137,6 +160,7 @@ class ForwardCall:
         self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, initial_state,
                               bool(output_final_state))
 
+    @_without_autocast
     def finish(self):
         """(o, the final states [N, H, K, V] or None when not asked for)."""
         s = self.saved
@@ -156,6 +180,7 @@ class ForwardCall:
 
 
 
+@_without_autocast
 def run_backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace, dht=None,
                  initial_state_grad_wanted=True):
     """The backward of ``saved`` with its checks passed (kda_kcp.function.backward_kcp): (dq, dk, dv, dg, dbeta) in

@@ -23,9 +23,11 @@ import torch
 
 from .archs import KERNEL_CAPABILITIES
 from .arena import Arena
+from .context import KcpContext
 from .exchange import summary_elements
 from .handles import new_handle
 from .sizing import element_bytes, workspace_bytes
+from .validate import check_flag
 
 __all__ = [
     "ARENAS",
@@ -55,6 +57,18 @@ def _heads(num_heads) -> int:
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
     return num_heads
+
+
+def _context(ctx):
+    if not isinstance(ctx, KcpContext):
+        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
+    return ctx
+
+
+def _dims(head_dim, value_dim) -> None:
+    for name, dim in (("head_dim", head_dim), ("value_dim", value_dim)):
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+            raise ValueError(f"{name} must be a positive int{' or None' if name == 'value_dim' else ''}, got {dim!r}")
 
 
 def _device_of(ctx, device) -> torch.device:
@@ -115,6 +129,8 @@ def kda_workspace_bytes_kcp(
 
     ``arch`` (with ``sm_count``; default 132 for sm_90a, 148 for sm_100a) instead of ``device``: the bytes for the
     CUDA kernels of that architecture, computed on any machine (a CPU-only login node too)."""
+    _context(ctx)
+    _dims(head_dim, value_dim)
     passes = check_arena(local_arena, lean_passes)
     H = _heads(num_heads)
     if arch is not None or sm_count is not None:
@@ -131,12 +147,16 @@ def kda_workspace_bytes_kcp(
 
 def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
     """Bytes the forward keeps for the backward beyond references to the inputs."""
+    _context(ctx)
+    _dims(head_dim, value_dim)
     per_run = _heads(num_heads) * head_dim * (value_dim or head_dim) * element_bytes(dtype)
     return ctx.local.num_runs * per_run if ctx.plan.needs_exchange else 0
 
 
 def kda_comm_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
     """Bytes this rank sends plus receives in one forward + backward step."""
+    _context(ctx)
+    _dims(head_dim, value_dim)
     W = ctx.world_size
     per = summary_elements(_heads(num_heads), head_dim, value_dim or head_dim) * element_bytes(dtype)
     if W == 1 or not ctx.plan.needs_exchange:
@@ -157,7 +177,7 @@ class WorkspaceKcp:
         self, ctx, num_heads, device=None, deterministic=True, local_arena="replay", lean_passes=None,
         *, head_dim=128, value_dim=None, dtype=torch.float32,
     ):
-        self.device = _device_of(ctx, device)
+        self.device = _device_of(_context(ctx), device)
         self.lean_passes = check_arena(local_arena, lean_passes)  # None: the replay arena
         self.nbytes = kda_workspace_bytes_kcp(
             ctx, num_heads, deterministic, local_arena, lean_passes, head_dim=head_dim, value_dim=value_dim,
@@ -185,6 +205,7 @@ class WorkspaceKcp:
                 f"workspace buffer must start on a 16-byte boundary, got an address {buffer.data_ptr() % 16} bytes past "
                 "one (slice a larger buffer at a multiple of 16 bytes)"
             )
+        check_flag("deterministic", deterministic)
         ws = cls.__new__(cls)
         ws.nbytes, ws.deterministic, ws.device, ws.buffer = buffer.numel(), deterministic, buffer.device, buffer
         ws.lean_passes = check_arena(local_arena, lean_passes)

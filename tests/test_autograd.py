@@ -180,3 +180,26 @@ def test_double_backward_raises(deterministic):
         with pytest.raises(RuntimeError, match="chunk_kda_kcp is not twice differentiable"):
             torch.autograd.grad((gr * gr).sum(), leaves, allow_unused=True)
         assert all(x.grad is None for x in leaves), i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_autocast_region_changes_nothing(dtype):
+    """Inside torch.autocast (a mixed-precision training step) the call computes in its own dtypes: o, the final
+    states and every gradient (the backward run inside the region too) equal those of the call outside it, bit for
+    bit."""
+    inputs, do = make_inputs(CU, dtype=dtype, seed=7)
+    ctx = kda_kcp.build_context_kcp(CU)
+    q, v = inputs[0], inputs[2]
+    h0 = torch.randn(ctx.num_docs, q.shape[1], q.shape[2], v.shape[2], generator=torch.Generator().manual_seed(8))
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in inputs + [h0]]
+        o, ht = kda_kcp.chunk_kda_kcp(*leaves[:5], ctx, initial_state=leaves[5], output_final_state=True)
+        ((o.float() * do.float()).sum() + ht.square().sum()).backward()
+        return [o.detach(), ht.detach()] + [x.grad for x in leaves]
+
+    plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = run()
+    for a, b in zip(plain, mixed):
+        assert a.dtype == b.dtype and torch.equal(a, b)

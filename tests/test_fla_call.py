@@ -215,6 +215,32 @@ def test_the_supported_values_of_fla_only_options_are_accepted():
     assert torch.equal(o, ref)
 
 
+def test_rows_without_tokens_are_documents():
+    """B rows of T = 0 tokens are B empty sequences, as with T > 0: B initial states go in, and each comes back
+    unchanged as its sequence's final state."""
+    tensors, _, _ = make_call_inputs(3, 0, seed=2)
+    h0 = torch.randn(3, H, K, V, dtype=F64, generator=torch.Generator().manual_seed(3))
+    o, ht = kda_kcp.chunk_kda(**tensors, initial_state=h0, output_final_state=True)
+    assert o.shape == (3, 0, H, V)
+    assert torch.equal(ht, h0)
+    _, ht = kda_kcp.chunk_kda(**tensors, output_final_state=True)
+    assert ht.shape == (3, H, K, V) and not ht.any()
+
+
+def test_an_initial_state_of_any_layout():
+    """initial_state need not be contiguous, as in FLA (which makes its tensor arguments contiguous): one learned
+    state expanded over the B rows gives the materialized state's result, and its gradient is the rows' sum."""
+    tensors, _, do = make_call_inputs(3, 20, seed=7)
+    learned = torch.randn(1, H, K, V, dtype=F64, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    rows = learned.detach().expand(3, H, K, V).clone().requires_grad_()
+    o_rows, ht_rows = kda_kcp.chunk_kda(**tensors, initial_state=rows, output_final_state=True)
+    o, ht = kda_kcp.chunk_kda(**tensors, initial_state=learned.expand(3, H, K, V), output_final_state=True)
+    assert torch.equal(o, o_rows) and torch.equal(ht, ht_rows)
+    for out, state in (((o, ht), learned), ((o_rows, ht_rows), rows)):
+        ((out[0] * do).sum() + out[1].sum()).backward()
+    assert torch.allclose(learned.grad, rows.grad.sum(0, keepdim=True), rtol=1e-12, atol=0)
+
+
 def test_bad_inputs_raise_before_running():
     tensors, _, _ = make_call_inputs(1, 20, seed=3)
     bad = {
@@ -224,6 +250,8 @@ def test_bad_inputs_raise_before_running():
         "beta must be": dict(tensors, beta=tensors["beta"][..., None]),
         "q must be": dict(tensors, q=tensors["q"][0]),
         "cu_seqlens ends at 19": dict(tensors, cu_seqlens=torch.tensor([0, 19])),
+        "at least one head": {n: x[:, :, :0] for n, x in tensors.items()},
+        "at least one sequence": {n: x[:0] for n, x in tensors.items()},
     }
     for message, kw in bad.items():
         with pytest.raises(ValueError, match=message):

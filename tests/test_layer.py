@@ -107,6 +107,15 @@ def test_bad_input_raises():
         layer(torch.zeros(2, 5, D + 1, dtype=torch.float64))
     with pytest.raises(ValueError, match="batch size must be 1"):
         layer(torch.zeros(2, 5, D, dtype=torch.float64), cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"expects x \[B, T, 16\] with B >= 1, got \(0, 5, 16\)"):
+        layer(torch.zeros(0, 5, D, dtype=torch.float64))
+    with pytest.raises(TypeError, match="expects x, a torch.Tensor"):
+        layer(torch.zeros(1, 5, D).tolist())
+    for name in ("hidden_size", "num_heads", "head_dim", "conv_size"):
+        for bad in (0, 2.0, True):
+            sizes = {**dict(hidden_size=D, num_heads=2, head_dim=4, conv_size=4), name: bad}
+            with pytest.raises(ValueError, match=f"{name} must be a positive int, got {bad!r}"):
+                kda_kcp.nn.KimiDeltaAttention(**sizes)
 
 
 def _shards_match_single_rank(rank, world):

@@ -76,6 +76,17 @@ def test_context_token_index_and_shard():
     assert torch.equal(ctx.shard(x), x) and torch.equal(ctx.unshard(x), x)
 
 
+def test_shard_and_unshard_check_their_argument():
+    ctx = kda_kcp.build_context_kcp(offsets([5, 9]))
+    for move in (ctx.shard, ctx.unshard):
+        with pytest.raises(TypeError, match="expects a torch.Tensor"):
+            move(list(range(14)))
+        with pytest.raises(ValueError, match="rows, got shape"):
+            move(torch.tensor(1.0))
+        with pytest.raises(ValueError, match="14 .*rows, got shape"):
+            move(torch.zeros(13, 2))
+
+
 @pytest.mark.parametrize(
     "cu, exc",
     [
@@ -86,6 +97,7 @@ def test_context_token_index_and_shard():
         (torch.tensor([[0, 3]]), ValueError),
         ("0,3", TypeError),
         ([0, 2.5], TypeError),
+        (torch.tensor([0, 3], device="meta"), ValueError),
     ],
 )
 def test_bad_cu_seqlens(cu, exc):

@@ -55,6 +55,23 @@ def test_arena_arguments():
             kda_kcp.kda_saved_bytes_kcp(ctx, bad)
 
 
+def test_byte_queries_check_their_arguments():
+    """A context that is not a KcpContext, or head dims that are not positive ints, raise naming the argument (not
+    an AttributeError from inside, nor a byte count of a shape no call can have)."""
+    ctx = _FakeGroupContext(BENCH, 2, 0, "contiguous")
+    queries = (kda_kcp.kda_workspace_bytes_kcp, kda_kcp.kda_saved_bytes_kcp, kda_kcp.kda_comm_bytes_kcp,
+               kda_kcp.WorkspaceKcp)
+    for query in queries:
+        for bad in (None, BENCH):
+            with pytest.raises(TypeError, match="ctx must be a KcpContext"):
+                query(bad, 4)
+        for dims in (dict(head_dim=0), dict(head_dim=-1), dict(head_dim=2.5), dict(value_dim=0), dict(head_dim=True)):
+            with pytest.raises(ValueError, match=f"{next(iter(dims))} must be a positive int"):
+                query(ctx, 4, **dims)
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        kda_kcp.WorkspaceKcp.from_buffer(torch.empty(16, dtype=torch.uint8), deterministic=None)
+
+
 def test_workspace_object():
     ctx = kda_kcp.build_context_kcp(BENCH)
     ws = kda_kcp.WorkspaceKcp(ctx, 16)
