@@ -70,6 +70,12 @@ def check_saved(saved, ctx) -> None:
             + (" (same sizes, different offsets)" if mine == fwd else "")
             + "; pass the backward the context its forward ran on"
         )
+    changed = saved.changed_since_forward()
+    if changed:
+        raise ValueError(
+            f"{', '.join(changed)} changed in place since the forward (the backward reads the forward's tensors by "
+            "reference, so it would compute the gradients of other values); write to a clone instead"
+        )
 
 
 def _workspace_need(ctx, H, backend, device, K, V, dt, passes) -> int:

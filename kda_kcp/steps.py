@@ -41,9 +41,28 @@ class KdaSaved:
     ctx: KcpContext
     initial_state: torch.Tensor | None = None  # [N, H, K, V], the caller's
     final_state: bool = False
+    # the caller's tensors' version counters when the forward read them (record_versions); None: not recorded
+    versions: tuple | None = None
+
+    CALLER_TENSORS = ("q", "k", "v", "g", "beta", "initial_state")
 
     def tensors(self):
         return (self.q, self.k, self.v, self.g, self.beta, self.state_in, self.initial_state)
+
+    def _versions(self) -> tuple:
+        # an inference tensor keeps no version counter (and cannot be written outside inference mode)
+        return tuple(None if x is None or x.is_inference() else x._version
+                     for x in (getattr(self, name) for name in self.CALLER_TENSORS))
+
+    def record_versions(self) -> None:
+        """Keep the version counters of the caller's tensors, so the backward can tell one written in place since."""
+        self.versions = self._versions()
+
+    def changed_since_forward(self) -> list[str]:
+        """The names of the caller's tensors written in place since ``record_versions`` ([] when not recorded)."""
+        if self.versions is None:
+            return []
+        return [name for name, a, b in zip(self.CALLER_TENSORS, self.versions, self._versions()) if a != b]
 
     def incoming_states(self, docs, dtype) -> torch.Tensor | None:
         """Each run's incoming state [R, H, K, V]: the exchange's, or the initial states of the runs' documents
@@ -159,6 +178,7 @@ class ForwardCall:
                                 docs=self.docs)
         self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, initial_state,
                               bool(output_final_state))
+        self.saved.record_versions()  # the saved tensors are references: the backward checks they are unchanged
 
     @_without_autocast
     def finish(self):

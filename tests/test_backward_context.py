@@ -74,3 +74,21 @@ def test_an_equal_context_is_the_same_context(entry):
     rebuilt = ENTRIES[entry](do, saved, kda_kcp.build_context_kcp(torch.tensor(CU)))
     for a, b in zip(same, rebuilt):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "initial_state"])
+def test_an_input_written_in_place_since_the_forward_raises(name):
+    """The forward keeps the caller's tensors by reference: one written in place before the backward raises,
+    naming it (the gradients would be those of other values), as autograd's saved-tensor check does for
+    chunk_kda_kcp; the same write to a clone is no concern of the backward's."""
+    ctx = kda_kcp.build_context_kcp(CU)
+    inputs, do = make_inputs(CU, seed=4)
+    h0 = torch.randn(ctx.num_docs, 2, 16, 8, dtype=inputs[0].dtype)
+    tensors = dict(zip(("q", "k", "v", "g", "beta"), inputs), initial_state=h0)
+    _, saved = kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx, initial_state=h0)
+    tensors[name].clone().mul_(0.5)
+    want = kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx)
+    tensors[name].mul_(1.0)  # the same values, but written: the backward cannot tell
+    with pytest.raises(ValueError, match=f"^{name} changed in place since the forward"):
+        kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx)
+    assert all(torch.isfinite(x).all() for x in want)
