@@ -187,3 +187,16 @@ def test_kcp_states_over_nccl():
         pytest.skip("KCP over NCCL needs 2 GPUs")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_kcp_worker, args=(2, os.path.join(tmp, "init"), SEED + 5), nprocs=2, join=True)
+
+
+def test_an_autocast_region_changes_nothing():
+    """Inside torch.autocast (a mixed-precision training step) the CUDA path computes in its own dtypes (its state
+    stages and merges are torch ops): o, the final states and every gradient equal those outside, bit for bit."""
+    cu, H = PACKS["short"]
+    inputs, do, h0, dht = _data(cu, H, SEED + 5)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV))
+    plain = _step(inputs, do, h0, dht, ctx)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        mixed = _step(inputs, do, h0, dht, ctx)
+    for name, a, b in zip(NAMES, plain, mixed):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
