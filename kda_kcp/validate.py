@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -21,8 +22,8 @@ def check_flag(name: str, value) -> bool:
 def check_scale(scale, head_dim: int) -> float:
     if scale is None:
         return head_dim ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # numpy's float32 too, as FLA takes it
+        raise TypeError(f"scale must be a real number (e.g. a Python float) or None, got {type(scale).__name__}")
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite positive number, got {scale!r}")
     return float(scale)

@@ -113,6 +113,14 @@ def test_bad_scale(args, scale, exc):
         _call(inputs, ctx, scale=scale)
 
 
+def test_a_numpy_scale_is_its_float(args):
+    """A numpy scalar scale (as a model's config may hold it) is taken as the float it holds."""
+    np = pytest.importorskip("numpy")
+    inputs, _, ctx = args
+    for scale in (np.float32(0.125), np.float64(0.125)):
+        assert torch.equal(_call(inputs, ctx, scale=scale), _call(inputs, ctx, scale=0.125))
+
+
 def test_ctx_and_workspace_types(args):
     inputs, _, ctx = args
     with pytest.raises(TypeError, match="ctx must be a KcpContext"):
