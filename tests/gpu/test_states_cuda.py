@@ -89,7 +89,10 @@ def test_states_match_oracle(pack):
 
 def test_two_chained_calls_match_one_call():
     """Each document split in two calls (cuts off the chunk grid), the second starting from the first's final
-    state: against the oracle, and within 2e-3 of one call."""
+    state: against the oracle, and within 1.5x of one call's error against it (a hand-over in a lower precision or
+    a wrong decay shows first in ht and dh0, whose errors are ~2e-4). Not within a fixed bound of one call: the two
+    runs round on different chunk grids, so they differ by about their own error against FP64 (dq 2.2e-3 apart
+    where the chained run is 2.4e-3 away)."""
     cu, H = [0, 1500, 1501, 4000], 4
     cuts = [700, 1, 1234]
     inputs, do, h0, dht = _data(cu, H, SEED + 1)
@@ -105,10 +108,13 @@ def test_two_chained_calls_match_one_call():
                                     output_final_state=True)
     o = o1.new_zeros(cu[-1], H, 128).index_copy(0, first, o1).index_copy(0, second, o2)
     got = [o.detach(), ht2.detach(), *torch.autograd.grad((o, ht2), leaves, (do, dht))]
-    _check(got, _oracle(cu, inputs, do, h0, dht), "chained")
+    ref = _oracle(cu, inputs, do, h0, dht)
+    _check(got, ref, "chained")
     one = _step(inputs, do, h0, dht, kda_kcp.build_context_kcp(torch.tensor(cu, device=DEV)))
-    for name, a, b in zip(NAMES, got, one):
-        assert rel(a, b) <= 2e-3, (name, rel(a, b))
+    for name, a, b, r in zip(NAMES, got, one, ref):
+        chained, single = rel(a, r), rel(b, r)
+        print(f"{name}: chained {chained:.2e}, one call {single:.2e} vs FP64; {rel(a, b):.2e} apart")
+        assert chained <= 1.5 * single + 1e-5, (name, chained, single)
 
 
 def _entries(inputs, do, h0, dht, ctx, workspace=None):
