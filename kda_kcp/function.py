@@ -18,11 +18,10 @@ import torch
 from .agreement import agree_call, call_properties
 from .arena import Arena, aligned
 from .backend import select_backend
-from .context import KcpContext
 from .sizing import exchange_elements, workspace_bytes
 from .steps import ForwardCall, KdaSaved, run_backward
-from .validate import (check_final_state_grad, check_flag, check_grad_output, check_initial_state, check_inputs,
-                       check_scale, check_values, values_requested)
+from .validate import (check_context, check_final_state_grad, check_flag, check_grad_output, check_initial_state,
+                       check_inputs, check_scale, check_values, values_requested)
 from .workspace import WorkspaceKcp
 
 __all__ = ["start_forward", "forward_kcp", "backward_kcp", "check_saved", "KdaKcpInputs", "KdaKcpOutput",
@@ -61,8 +60,7 @@ def check_saved(saved, ctx) -> None:
     """``saved`` is a forward's KdaSaved and ``ctx`` that forward's context (or this rank's view of the same split)."""
     if not isinstance(saved, KdaSaved):
         raise TypeError(f"saved must be the KdaSaved that chunk_kda_fwd_kcp returned, got {type(saved).__name__}")
-    if not isinstance(ctx, KcpContext):
-        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
+    check_context(ctx)
     if not saved.ctx.same_as(ctx):
         mine, fwd = _describe(ctx), _describe(saved.ctx)
         raise ValueError(

@@ -22,12 +22,11 @@ from typing import Optional
 import torch
 
 from .backend import select_backend
-from .context import KcpContext
 from .function import backward_kcp, forward_kcp
-from .handles import new_handle, object_of
+from .handles import object_of
 from .packing import packed_context
 from .steps import KdaSaved
-from .validate import check_flag, check_scale, values_requested
+from .validate import check_context, check_flag, check_scale, values_requested
 from .workspace import WorkspaceKcp
 
 __all__ = ["chunk_kda_op"]
@@ -133,8 +132,8 @@ def chunk_kda_op(q, k, v, g, beta, ctx, scale, deterministic: bool, workspace=No
     ``output_final_state``. ``ctx`` is a KcpContext, or, for ``chunk_kda`` (``packed_rows`` = B), its cp_context or
     None; ``cu_seqlens`` is chunk_kda's."""
 
-    if ctx is not None and not isinstance(ctx, KcpContext):
-        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
+    if ctx is not None:
+        check_context(ctx)
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
     if initial_state is not None and not isinstance(initial_state, torch.Tensor):

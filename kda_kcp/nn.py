@@ -29,6 +29,7 @@ from torch import nn
 from .exchange import all_gather_flat, collective_device
 from .fla import chunk_kda
 from .packing import packed_context
+from .validate import check_positive_int
 
 __all__ = ["KimiDeltaAttention", "ShortConvTables", "conv_tables", "short_conv"]
 
@@ -165,8 +166,7 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         for name, size in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim),
                            ("conv_size", conv_size)):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name} must be a positive int, got {size!r}")
+            check_positive_int(name, size)
         value_dim = int(head_dim * expand_v)
         if value_dim < 1 or value_dim != head_dim * expand_v:
             raise ValueError(f"head_dim * expand_v must be a positive integer, got {head_dim} * {expand_v}")

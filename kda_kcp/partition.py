@@ -11,6 +11,8 @@ from typing import Sequence
 
 import torch
 
+from .validate import check_positive_int
+
 __all__ = ["LAYOUTS", "partition_kcp", "check_cu_seqlens", "equal_split"]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_per_document")
@@ -83,8 +85,7 @@ def partition_kcp(cu_seqlens, world_size: int, layout: str = "contiguous") -> li
     W = 1 gives one piece per layout that does not cut documents).
     """
     cu = check_cu_seqlens(cu_seqlens)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    check_positive_int("world_size", world_size)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     W = world_size

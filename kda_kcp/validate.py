@@ -10,13 +10,30 @@ import torch
 
 from .exchange import collective_device
 
-__all__ = ["check_inputs", "check_grad_output", "check_scale", "check_flag", "values_requested", "check_values",
-           "check_initial_state", "check_state_for", "check_final_state_grad"]
+__all__ = ["check_inputs", "check_grad_output", "check_scale", "check_flag", "check_positive_int", "check_context",
+           "values_requested", "check_values", "check_initial_state", "check_state_for", "check_final_state_grad"]
 
 def check_flag(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def check_positive_int(name: str, value, none_ok: bool = False) -> None:
+    """``value`` is an int >= 1 (not a bool), or None when ``none_ok``."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, got {value!r}")
+
+
+def check_context(ctx):
+    """``ctx`` is a KcpContext; returns it."""
+    from .context import KcpContext  # context imports partition, which imports this module
+
+    if not isinstance(ctx, KcpContext):
+        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
+    return ctx
 
 
 def check_scale(scale, head_dim: int) -> float:
@@ -47,10 +64,7 @@ def _tensor(name: str, x, dims: int, what: str, **shape) -> torch.Tensor:
 def check_inputs(q, k, v, g, beta, ctx, backend) -> None:
     """Types, shapes, devices and contiguity of one call's inputs against its context, then ``backend``'s own
     rules (dtypes, head dims: ``Backend.check_supported``)."""
-    from .context import KcpContext
-
-    if not isinstance(ctx, KcpContext):
-        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
+    check_context(ctx)
     _tensor("q", q, 3, "of shape [T, H, K]")
     T, H, K = q.shape
     _tensor("k", k, 3, "of shape [T, H, K] = [{T}, {H}, {K}]", T=T, H=H, K=K)

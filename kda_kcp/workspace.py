@@ -23,11 +23,10 @@ import torch
 
 from .archs import KERNEL_CAPABILITIES
 from .arena import Arena
-from .context import KcpContext
 from .exchange import summary_elements
 from .handles import new_handle
 from .sizing import element_bytes, workspace_bytes
-from .validate import check_flag
+from .validate import check_context, check_flag, check_positive_int
 
 __all__ = [
     "ARENAS",
@@ -54,21 +53,13 @@ def check_arena(local_arena, lean_passes) -> int | None:
 
 
 def _heads(num_heads) -> int:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    check_positive_int("num_heads", num_heads)
     return num_heads
 
 
-def _context(ctx):
-    if not isinstance(ctx, KcpContext):
-        raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
-    return ctx
-
-
 def _dims(head_dim, value_dim) -> None:
-    for name, dim in (("head_dim", head_dim), ("value_dim", value_dim)):
-        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
-            raise ValueError(f"{name} must be a positive int{' or None' if name == 'value_dim' else ''}, got {dim!r}")
+    check_positive_int("head_dim", head_dim)
+    check_positive_int("value_dim", value_dim, none_ok=True)
 
 
 def _device_of(ctx, device) -> torch.device:
@@ -104,8 +95,7 @@ def _planned_sizes(ctx, num_heads, deterministic, passes, head_dim, value_dim, d
         sm_count = PLANNING_SM_COUNTS.get(arch)
         if sm_count is None:
             raise ValueError(f"sm_count is required with arch={arch!r} (the SM count of the GPU to plan for)")
-    if isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1:
-        raise ValueError(f"sm_count must be a positive int, got {sm_count!r}")
+    check_positive_int("sm_count", sm_count)
     key = ("planning_local", sm_count)
     if key not in ctx.local._tables:
         ctx.local._tables[key] = replace(ctx.local, _tables={})
@@ -129,7 +119,7 @@ def kda_workspace_bytes_kcp(
 
     ``arch`` (with ``sm_count``; default 132 for sm_90a, 148 for sm_100a) instead of ``device``: the bytes for the
     CUDA kernels of that architecture, computed on any machine (a CPU-only login node too)."""
-    _context(ctx)
+    check_context(ctx)
     _dims(head_dim, value_dim)
     passes = check_arena(local_arena, lean_passes)
     H = _heads(num_heads)
@@ -147,7 +137,7 @@ def kda_workspace_bytes_kcp(
 
 def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
     """Bytes the forward keeps for the backward beyond references to the inputs."""
-    _context(ctx)
+    check_context(ctx)
     _dims(head_dim, value_dim)
     per_run = _heads(num_heads) * head_dim * (value_dim or head_dim) * element_bytes(dtype)
     return ctx.local.num_runs * per_run if ctx.plan.needs_exchange else 0
@@ -155,7 +145,7 @@ def kda_saved_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, val
 
 def kda_comm_bytes_kcp(ctx, num_heads, deterministic=True, *, head_dim=128, value_dim=None, dtype=torch.float32) -> int:
     """Bytes this rank sends plus receives in one forward + backward step."""
-    _context(ctx)
+    check_context(ctx)
     _dims(head_dim, value_dim)
     W = ctx.world_size
     per = summary_elements(_heads(num_heads), head_dim, value_dim or head_dim) * element_bytes(dtype)
@@ -177,7 +167,7 @@ class WorkspaceKcp:
         self, ctx, num_heads, device=None, deterministic=True, local_arena="replay", lean_passes=None,
         *, head_dim=128, value_dim=None, dtype=torch.float32,
     ):
-        self.device = _device_of(_context(ctx), device)
+        self.device = _device_of(check_context(ctx), device)
         self.lean_passes = check_arena(local_arena, lean_passes)  # None: the replay arena
         self.nbytes = kda_workspace_bytes_kcp(
             ctx, num_heads, deterministic, local_arena, lean_passes, head_dim=head_dim, value_dim=value_dim,
