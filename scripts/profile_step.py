@@ -3,7 +3,7 @@
 watch:
 
     ncu --clock-control none -k regex:"prep_kernel|walk_kernel|grads_kernel|fold_kernel|merge_kernel" \
-        python scripts/profile_step.py --heads 16
+        python scripts/profile_step.py --heads 16 [--gates strong]
     compute-sanitizer --tool memcheck python scripts/profile_step.py --heads 2 --docs 1 65 700 300
     compute-sanitizer --tool memcheck python scripts/profile_step.py --heads 1 --docs 128x70000  # 140,000 chunks
 """
@@ -21,8 +21,10 @@ import kda_kcp  # noqa: E402
 DOCS = (42024, 57573, 73122, 88673)
 
 
-def step_inputs(docs, H, dev):
-    """Offsets cu and q, k, v, g, beta of a packed batch of ``docs`` (the benchmark's distributions)."""
+def step_inputs(docs, H, dev, gates="benchmark"):
+    """Offsets cu and q, k, v, g, beta of a packed batch of ``docs`` (the benchmark's distributions; ``gates``
+    names the benchmark's gate law: ``benchmark`` logsigmoid(2 + 1.5 z) clipped at -5, ``strong`` uniform in
+    (-5, 0])."""
     cu = [0]
     for n in docs:
         cu.append(cu[-1] + n)
@@ -30,15 +32,18 @@ def step_inputs(docs, H, dev):
     q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16()
     k = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16()
     v = torch.randn(T, H, 128, device=dev).bfloat16()
-    g = F.logsigmoid(2 + 1.5 * torch.randn(T, H, 128, device=dev)).clamp_min(-5)
+    if gates == "strong":
+        g = torch.rand(T, H, 128, device=dev).mul_(-5.0)
+    else:
+        g = F.logsigmoid(2 + 1.5 * torch.randn(T, H, 128, device=dev)).clamp_min(-5)
     beta = torch.sigmoid(torch.randn(T, H, device=dev)).bfloat16()
     return cu, q, k, v, g, beta
 
 
-def run_step(docs, H, deterministic=True):
+def run_step(docs, H, deterministic=True, gates="benchmark"):
     """One forward + backward on the GPU: (o, dq, dk, dv, dg, dbeta)."""
     dev = torch.device("cuda")
-    cu, *inputs = step_inputs(docs, H, dev)
+    cu, *inputs = step_inputs(docs, H, dev, gates)
     q, k, v, g, beta = (x.requires_grad_() for x in inputs)
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
     o = kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=deterministic)
@@ -63,9 +68,11 @@ def main():
     p.add_argument("--deterministic", type=int, default=1)
     p.add_argument("--docs", nargs="+", default=[str(n) for n in DOCS],
                    help="document lengths: N, or NxM for M documents of N tokens (e.g. 65x32768)")
+    p.add_argument("--gates", choices=("benchmark", "strong"), default="benchmark",
+                   help="gate law: the benchmark's logsigmoid(2 + 1.5 z), or strong (uniform in (-5, 0])")
     args = p.parse_args()
     args.docs = doc_lengths(args.docs)
-    run_step(args.docs, args.heads, bool(args.deterministic))
+    run_step(args.docs, args.heads, bool(args.deterministic), args.gates)
     torch.cuda.synchronize()
     print(f"profile_step: H={args.heads} T={sum(args.docs)} done")
 
