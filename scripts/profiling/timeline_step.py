@@ -7,6 +7,7 @@ ncu gives kernel durations one at a time. Neither says how much of the wall is k
 walks' two streams overlapping, and how much is the GPU waiting for the host. This does:
 
     python scripts/profiling/timeline_step.py --heads 16 --op bwd --trace $OUT/trace.json
+    python scripts/profiling/timeline_step.py --heads 16 --op fwd --activations   # the benchmark's --activations call
 
 Prints one line per kernel (start offset and duration in us, stream, name) and a summary: the span from the
 first kernel's start to the last one's end, the time some kernel is running (the union over streams), and the
@@ -29,7 +30,8 @@ from profile_step import DOCS, step_inputs  # noqa: E402
 
 
 def short(name: str) -> str:
-    for key in ("prep_kernel", "fwd_walk_kernel", "rev_walk_kernel", "walk_kernel", "grads_kernel", "merge", "fold"):
+    for key in ("prep_kernel", "fwd_walk_kernel", "rev_walk_kernel", "walk_kernel", "grads_kernel", "act_fwd_kernel",
+                "act_bwd_kernel", "merge", "fold"):
         if key in name:
             tmpl = name[name.find(key):]
             return tmpl.split("(")[0][:48]
@@ -84,6 +86,31 @@ def run_before(spec: str, dev, workspace: bool) -> None:
     print(f"before: H = {H} {op}")
 
 
+def activation_inputs(T: int, H: int, dev):
+    """Raw q, k, v, g, beta (BF16 randn) and A_log, dt_bias (FP32) with the distributions of the benchmark's
+    --activations row (benchmarks/bench_kda_kcp.py draw_inputs), all requiring gradients."""
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, g = (torch.randn(T, H, 128, generator=gen, device=dev).bfloat16() for _ in range(4))
+    beta = torch.randn(T, H, generator=gen, device=dev).bfloat16()
+    A_log = (0.2 + 0.4 * torch.rand(H, generator=gen, device=dev)).log()
+    dt_bias = torch.randn(H * 128, generator=gen, device=dev).mul_(0.5).sub_(2.0)
+    return tuple(t.requires_grad_() for t in (q, k, v, g, beta, A_log, dt_bias))
+
+
+def activations_call(x, cu_t, ws):
+    """The FLA-shaped call of the --activations row (det): o [T, H, V] from the raw inputs x."""
+    q, k, v, g, beta, A_log, dt_bias = x
+    options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
+                   use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_t, cu_seqlens_cpu=cu_t.cpu(), deterministic=True,
+                   workspace=ws)
+
+    def fwd():
+        return kda_kcp.chunk_kda(q[None], k[None], v[None], g[None], beta[None], A_log=A_log, dt_bias=dt_bias,
+                                 **options)[0][0]
+
+    return fwd
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--heads", type=int, default=16)
@@ -101,6 +128,9 @@ def main():
     p.add_argument("--cuda-only", action="store_true",
                    help="trace the GPU's activity only (no host ops: tracing them slows the host's launches several "
                         "fold, which delays every kernel of a schedule of many launches)")
+    p.add_argument("--activations", action="store_true",
+                   help="kda_kcp.chunk_kda with the gate, the q / k norm and the beta sigmoid inside, on raw inputs with "
+                        "the distributions of the benchmark's --activations row")
     p.add_argument("--empty-cache", action="store_true",
                    help="hand the caching allocator's free blocks back to the driver after the --before ops (does "
                         "the measured step depend on where its tensors land?)")
@@ -115,16 +145,19 @@ def main():
     if args.empty_cache:
         torch.cuda.empty_cache()
     cu, *inputs = step_inputs(DOCS, args.heads, dev)
-    q, k, v, g, beta = (x.requires_grad_() for x in inputs)
-    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
-    do = torch.randn(q.shape, device=dev, dtype=torch.bfloat16)
-
+    cu_t = torch.tensor(cu, device=dev)
+    ctx = kda_kcp.build_context_kcp(cu_t)
     ws = kda_kcp.WorkspaceKcp(ctx, args.heads, device=dev) if args.workspace else None
+    if args.activations:
+        x = activation_inputs(cu[-1], args.heads, dev)
+        fwd = activations_call(x, cu_t, ws)
+    else:
+        x = tuple(t.requires_grad_() for t in inputs)
 
-    def fwd():
-        return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=True, workspace=ws)
+        def fwd():
+            return kda_kcp.chunk_kda_kcp(*x, ctx, deterministic=True, workspace=ws)
 
-    x = (q, k, v, g, beta)
+    do = torch.randn(x[0].shape, device=dev, dtype=torch.bfloat16)
     for _ in range(args.warm):
         torch.autograd.grad(fwd(), x, do)
     torch.cuda.synchronize()
