@@ -78,6 +78,9 @@ FLA_ARMS = ("fla", "fla_cp")
 NOT_RUN_AFTER_OOM = "not run: out of memory in this H's bwd cell"  # --fla-ckpt-after-bwd-oom skip
 OPS = ("fwd", "bwd", "ckpt")
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+# chunk_kda's options in the --activations row (every arm): the gate, the q / k norm and the beta sigmoid inside
+ACTIVATION_OPTIONS = dict(scale=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
+                          safe_gate=True, use_beta_sigmoid_in_kernel=True)
 # docs/design.md §10: relative RMS tolerances against the FP64 oracle (BF16 I/O)
 TOLERANCE = {"o": 4e-3, "dq": 6e-3, "dk": 6e-3, "dv": 6e-3, "dg": 1e-2, "dbeta": 1e-2}
 CONTROL_BAND = (0.98, 1.02)
@@ -437,8 +440,6 @@ class Bench:
 
     def activations_fn(self, arm, lay: Layout, H):
         """The FLA-shaped call with the gate, the q / k norm and the beta sigmoid inside, for one arm."""
-        options = dict(scale=None, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0,
-                       safe_gate=True, use_beta_sigmoid_in_kernel=True)
         if arm in OURS:
             det = arm == "det"
             ws = None if self.args.no_workspace else kda_kcp.WorkspaceKcp(
@@ -452,7 +453,7 @@ class Bench:
 
         def fn(q, k, v, g, beta, A_log, dt_bias):
             o, _ = call(q[None], k[None], v[None], g[None], beta[None], A_log=A_log, dt_bias=dt_bias,
-                        **options, **where, **extra)
+                        **ACTIVATION_OPTIONS, **where, **extra)
             return o[0]
 
         return fn

@@ -21,13 +21,19 @@ import kda_kcp  # noqa: E402
 DOCS = (42024, 57573, 73122, 88673)
 
 
-def step_inputs(docs, H, dev, gates="benchmark"):
-    """Offsets cu and q, k, v, g, beta of a packed batch of ``docs`` (the benchmark's distributions; ``gates``
-    names the benchmark's gate law: ``benchmark`` logsigmoid(2 + 1.5 z) clipped at -5, ``strong`` uniform in
-    (-5, 0])."""
+def offsets(docs) -> list[int]:
+    """cu_seqlens of documents of these lengths, packed."""
     cu = [0]
     for n in docs:
         cu.append(cu[-1] + n)
+    return cu
+
+
+def step_inputs(docs, H, dev, gates="bench"):
+    """Offsets cu and q, k, v, g, beta of a packed batch of ``docs`` (the benchmark's distributions; ``gates``
+    names the benchmark's gate law, as its --gates does: ``bench`` logsigmoid(2 + 1.5 z) clipped at -5, ``strong``
+    uniform in (-5, 0])."""
+    cu = offsets(docs)
     T = cu[-1]
     q = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16()
     k = F.normalize(torch.randn(T, H, 128, device=dev), dim=-1).bfloat16()
@@ -40,7 +46,7 @@ def step_inputs(docs, H, dev, gates="benchmark"):
     return cu, q, k, v, g, beta
 
 
-def run_step(docs, H, deterministic=True, gates="benchmark"):
+def run_step(docs, H, deterministic=True, gates="bench"):
     """One forward + backward on the GPU: (o, dq, dk, dv, dg, dbeta)."""
     dev = torch.device("cuda")
     cu, *inputs = step_inputs(docs, H, dev, gates)
@@ -68,8 +74,9 @@ def main():
     p.add_argument("--deterministic", type=int, default=1)
     p.add_argument("--docs", nargs="+", default=[str(n) for n in DOCS],
                    help="document lengths: N, or NxM for M documents of N tokens (e.g. 65x32768)")
-    p.add_argument("--gates", choices=("benchmark", "strong"), default="benchmark",
-                   help="gate law: the benchmark's logsigmoid(2 + 1.5 z), or strong (uniform in (-5, 0])")
+    p.add_argument("--gates", choices=("bench", "strong"), default="bench",
+                   help="gate law, as the benchmark's --gates: bench (logsigmoid(2 + 1.5 z)) or strong (uniform "
+                        "in (-5, 0])")
     args = p.parse_args()
     args.docs = doc_lengths(args.docs)
     run_step(args.docs, args.heads, bool(args.deterministic), args.gates)

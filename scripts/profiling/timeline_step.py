@@ -25,8 +25,10 @@ import torch.utils.checkpoint
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))  # profile_step
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import kda_kcp  # noqa: E402
-from profile_step import DOCS, step_inputs  # noqa: E402
+from bench_kda_kcp import ACTIVATION_OPTIONS, draw_inputs  # noqa: E402  (the --activations row's call and inputs)
+from profile_step import DOCS, offsets, step_inputs  # noqa: E402
 
 
 def short(name: str) -> str:
@@ -86,27 +88,15 @@ def run_before(spec: str, dev, workspace: bool) -> None:
     print(f"before: H = {H} {op}")
 
 
-def activation_inputs(T: int, H: int, dev):
-    """Raw q, k, v, g, beta (BF16 randn) and A_log, dt_bias (FP32) with the distributions of the benchmark's
-    --activations row (benchmarks/bench_kda_kcp.py draw_inputs), all requiring gradients."""
-    gen = torch.Generator(device=dev).manual_seed(0)
-    q, k, v, g = (torch.randn(T, H, 128, generator=gen, device=dev).bfloat16() for _ in range(4))
-    beta = torch.randn(T, H, generator=gen, device=dev).bfloat16()
-    A_log = (0.2 + 0.4 * torch.rand(H, generator=gen, device=dev)).log()
-    dt_bias = torch.randn(H * 128, generator=gen, device=dev).mul_(0.5).sub_(2.0)
-    return tuple(t.requires_grad_() for t in (q, k, v, g, beta, A_log, dt_bias))
-
-
 def activations_call(x, cu_t, ws):
-    """The FLA-shaped call of the --activations row (det): o [T, H, V] from the raw inputs x."""
+    """The benchmark's --activations call (det) on raw inputs x = (q, k, v, g, beta, A_log, dt_bias): o [T, H, V]."""
     q, k, v, g, beta, A_log, dt_bias = x
-    options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, lower_bound=-5.0, safe_gate=True,
-                   use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_t, cu_seqlens_cpu=cu_t.cpu(), deterministic=True,
-                   workspace=ws)
+    cu_cpu = cu_t.cpu()  # once here, not a copy (and a synchronize) inside the traced call
 
     def fwd():
         return kda_kcp.chunk_kda(q[None], k[None], v[None], g[None], beta[None], A_log=A_log, dt_bias=dt_bias,
-                                 **options)[0][0]
+                                 cu_seqlens=cu_t, cu_seqlens_cpu=cu_cpu, deterministic=True, workspace=ws,
+                                 **ACTIVATION_OPTIONS)[0][0]
 
     return fwd
 
@@ -144,20 +134,21 @@ def main():
         run_before(spec, dev, args.workspace)
     if args.empty_cache:
         torch.cuda.empty_cache()
-    cu, *inputs = step_inputs(DOCS, args.heads, dev)
+    cu, *inputs = step_inputs(DOCS, args.heads, dev) if not args.activations else (offsets(DOCS),)
     cu_t = torch.tensor(cu, device=dev)
     ctx = kda_kcp.build_context_kcp(cu_t)
     ws = kda_kcp.WorkspaceKcp(ctx, args.heads, device=dev) if args.workspace else None
     if args.activations:
-        x = activation_inputs(cu[-1], args.heads, dev)
+        q, k, v, g, beta, do, A_log, dt_bias = draw_inputs(cu[-1], args.heads, 128, dev, 0, activations=True)
+        x = tuple(t.requires_grad_() for t in (q, k, v, g, beta, A_log, dt_bias))
         fwd = activations_call(x, cu_t, ws)
     else:
         x = tuple(t.requires_grad_() for t in inputs)
+        do = torch.randn(x[0].shape, device=dev, dtype=torch.bfloat16)
 
         def fwd():
             return kda_kcp.chunk_kda_kcp(*x, ctx, deterministic=True, workspace=ws)
 
-    do = torch.randn(x[0].shape, device=dev, dtype=torch.bfloat16)
     for _ in range(args.warm):
         torch.autograd.grad(fwd(), x, do)
     torch.cuda.synchronize()
