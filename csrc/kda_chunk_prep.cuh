@@ -334,10 +334,12 @@ __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
 // row (ONE: kOneAnchor holds) or each row block I at its first row a_I = 16 I (G is non-increasing): K_r =
 // K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo), the column side.
 // X, Qg (and with ONE, Kg) are products of the anchored rows' factors with per-column constants: exp(G) =
-// exp(G - G_a) exp(G_a) and exp(G_63 - G) = exp(G_a - G) exp(G_63 - G_a), no exp per element. Where exp(G_a)
-// underflows so does exp(G) (G <= G_a). The second form needs exp(G_63 - G_a) in range, which ONE guarantees
+// exp(G - G_a) exp(G_a) and exp(G_63 - G) = exp(G_a - G) exp(G_63 - G_a), no exp per element. A thread's 16 rows
+// are one row block, so G_a is the thread's own anchor on either path. Where exp(G_a) underflows so does exp(G)
+// (G <= G_a). The second form needs exp(G_63 - G_a) in range, which ONE guarantees
 // (>= e^-64); anchored per block, G_63 - G_a can reach -320 while G_63 - G stays small, so Kg keeps its exp there.
-// With ONE, X, Qg and Kg wait in registers (packed, 48 words) while L and Aqk take the tiles, and k and G die early.
+// X waits in registers (packed, 16 words) while L and Aqk take the tiles, with ONE also Qg and Kg (48 words), and
+// k and G die early.
 template <class Rec, bool ONE>
 __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char* smem, const float (&G0)[16],
                                                 const float (&G1)[16], const uint32_t (&kk)[16], int64_t tok,
@@ -363,7 +365,7 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
   const float ex0 = fexp_ftz(an0), ex1 = fexp_ftz(an1);          // exp(G_a)
   const float eq0 = a.scale * ex0, eq1 = a.scale * ex1;           // s exp(G_a)
   const float ek0 = ONE ? fexp_ftz(gl0 - an0) : 0.f, ek1 = ONE ? fexp_ftz(gl1 - an1) : 0.f;  // exp(G_63 - G_a)
-  uint32_t xr[ONE ? 16 : 1], qgr[ONE && !Rec::kBwd ? 16 : 1], kgr[ONE && !Rec::kBwd ? 16 : 1];
+  uint32_t xr[16], qgr[ONE && !Rec::kBwd ? 16 : 1], kgr[ONE && !Rec::kBwd ? 16 : 1];
   uint32_t finite = 0u;  // the q and k pairs' finiteness probe (kda_status.cuh)
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
@@ -383,7 +385,7 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
     split2(cc0, cc1, hi, lo);
     *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
     *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
-    if constexpr (ONE) xr[i] = pack_bf16(kr0 * ex0, kr1 * ex1);
+    xr[i] = pack_bf16(kr0 * ex0, kr1 * ex1);  // X = K o exp(G - G_a) exp(G_a), either path
     if constexpr (ONE && !Rec::kBwd) {
       qgr[i] = pack_f16(qr0 * eq0, qr1 * eq1);
       kgr[i] = pack_f16(cc0 * ek0, cc1 * ek1);
@@ -426,7 +428,7 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
         const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrl + sw128(j, d0)));
         *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = pack_f16((hi.x + lo.x) * eq0, (hi.y + lo.y) * eq1);
       }
-      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp_ftz(G0[i]), kf.y * fexp_ftz(G1[i]));
+      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = xr[i];
       if constexpr (!Rec::kBwd)
         *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) =
             pack_f16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
