@@ -333,11 +333,13 @@ __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
 // forward, Qg = s Q o exp(G) and Kg = K o exp(G_63 - G) staged in the dead Cc tiles. Anchored at the chunk's first
 // row (ONE: kOneAnchor holds) or each row block I at its first row a_I = 16 I (G is non-increasing): K_r =
 // K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo), the column side.
-// X, Qg (and with ONE, Kg) are products of the anchored rows' factors with per-column constants: exp(G) =
-// exp(G - G_a) exp(G_a) and exp(G_63 - G) = exp(G_a - G) exp(G_63 - G_a), no exp per element. Where exp(G_a)
-// underflows so does exp(G) (G <= G_a). The second form needs exp(G_63 - G_a) in range, which ONE guarantees
-// (>= e^-64); anchored per block, G_63 - G_a can reach -320 while G_63 - G stays small, so Kg keeps its exp there.
-// With ONE, X, Qg and Kg wait in registers (packed, 48 words) while L and Aqk take the tiles, and k and G die early.
+// X, Qg and Kg are products of the anchored rows' factors with per-column constants, no exp per element: exp(G) =
+// exp(G - G_a) exp(G_a) (where exp(G_a) underflows so does exp(G), G <= G_a), and exp(G_63 - G) =
+// exp(G_a - G) exp(G_63 - G_a) with ONE (>= e^-64) or, per block, exp(G_a - G) exp(G_e - G_a) exp(G_63 - G_e) with
+// G_e the block's last row (G_63 - G_a reaches -320 where G_63 - G stays small; the first two factors' product is
+// exp(G_e - G) in [e^-80, 1], and where exp(G_63 - G_e) underflows so does exp(G_63 - G)). A thread's 16 rows are
+// one row block, so its anchor and G_e are its own first and last rows. X (and the forward's Qg, Kg: 48 words)
+// wait in registers, packed, while L and Aqk take the tiles, and k and G die early.
 template <class Rec, bool ONE>
 __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char* smem, const float (&G0)[16],
                                                 const float (&G1)[16], const uint32_t (&kk)[16], int64_t tok,
@@ -362,8 +364,11 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
   const float gl0 = sGl[d0], gl1 = sGl[d0 + 1];
   const float ex0 = fexp_ftz(an0), ex1 = fexp_ftz(an1);          // exp(G_a)
   const float eq0 = a.scale * ex0, eq1 = a.scale * ex1;           // s exp(G_a)
-  const float ek0 = ONE ? fexp_ftz(gl0 - an0) : 0.f, ek1 = ONE ? fexp_ftz(gl1 - an1) : 0.f;  // exp(G_63 - G_a)
-  uint32_t xr[ONE ? 16 : 1], qgr[ONE && !Rec::kBwd ? 16 : 1], kgr[ONE && !Rec::kBwd ? 16 : 1];
+  // Kg = Cc o ek o el: ek = exp(G_63 - G_a), el = 1 (ONE); ek = exp(G_e - G_a), el = exp(G_63 - G_e) (per block)
+  const float ek0 = ONE ? fexp_ftz(gl0 - an0) : fexp_ftz(G0[15] - an0);
+  const float ek1 = ONE ? fexp_ftz(gl1 - an1) : fexp_ftz(G1[15] - an1);
+  const float el0 = ONE ? 1.f : fexp_ftz(gl0 - G0[15]), el1 = ONE ? 1.f : fexp_ftz(gl1 - G1[15]);
+  uint32_t xr[16], qgr[Rec::kBwd ? 1 : 16], kgr[Rec::kBwd ? 1 : 16];
   uint32_t finite = 0u;  // the q and k pairs' finiteness probe (kda_status.cuh)
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
@@ -383,16 +388,15 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
     split2(cc0, cc1, hi, lo);
     *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
     *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
-    if constexpr (ONE) xr[i] = pack_bf16(kr0 * ex0, kr1 * ex1);
-    if constexpr (ONE && !Rec::kBwd) {
+    xr[i] = pack_bf16(kr0 * ex0, kr1 * ex1);  // X = K o exp(G - G_a) exp(G_a), either path
+    if constexpr (!Rec::kBwd) {
       qgr[i] = pack_f16(qr0 * eq0, qr1 * eq1);
-      kgr[i] = pack_f16(cc0 * ek0, cc1 * ek1);
+      kgr[i] = ONE ? pack_f16(cc0 * ek0, cc1 * ek1) : pack_f16((cc0 * ek0) * el0, (cc1 * ek1) * el1);
     }
     if constexpr (Rec::kBwd) {
       *reinterpret_cast<uint32_t*>(Rec::qg(rec) + j * D + d0) = pack_bf16(qr0 * eq0, qr1 * eq1);
       *reinterpret_cast<uint32_t*>(Rec::kg(rec) + j * D + d0) =
-          ONE ? pack_bf16(cc0 * ek0, cc1 * ek1)
-              : pack_bf16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
+          ONE ? pack_bf16(cc0 * ek0, cc1 * ek1) : pack_bf16((cc0 * ek0) * el0, (cc1 * ek1) * el1);
     }
   }
   status::report(a.status, status::probe_code(finite));
@@ -408,28 +412,14 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
                             nrows, tid, [](int r, int c) { return sw128(r, c); });
     cp_async_commit();
   }
-  // ---- X over the dead Kr tile; the forward's Qg and Kg staged in the dead Cc tiles (Qg anchored per block: from
-  //      the hi + lo rows, Q and G0 / G1 are not held for it) ----
+  // ---- X over the dead Kr tile; the forward's Qg and Kg staged in the dead Cc tiles ----
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int j = rq * 16 + i;
-    if constexpr (ONE) {
-      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = xr[i];
-      if constexpr (!Rec::kBwd) {
-        *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = qgr[i];
-        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = kgr[i];
-      }
-    } else {
-      const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-      if constexpr (!Rec::kBwd) {
-        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrh + sw128(j, d0)));
-        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(sQrl + sw128(j, d0)));
-        *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = pack_f16((hi.x + lo.x) * eq0, (hi.y + lo.y) * eq1);
-      }
-      *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = pack_bf16(kf.x * fexp_ftz(G0[i]), kf.y * fexp_ftz(G1[i]));
-      if constexpr (!Rec::kBwd)
-        *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) =
-            pack_f16(kf.x * fexp_ftz(gl0 - G0[i]), kf.y * fexp_ftz(gl1 - G1[i]));
+    *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = xr[i];
+    if constexpr (!Rec::kBwd) {
+      *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = qgr[i];
+      *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = kgr[i];
     }
   }
 }
@@ -544,7 +534,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   if (one_anchor) rows_and_blocks<Rec, true>(a, rec, smem, G0, G1, kk, tok, nrows, h);
   else rows_and_blocks<Rec, false>(a, rec, smem, G0, G1, kk, tok, nrows, h);
 
-  __syncthreads();  // the staged tiles are complete (and Qr read, anchored per block) before A overwrites Qr
+  __syncthreads();  // the staged tiles are complete before A overwrites Qr
   // ---- A = (I + L)^-1: diagonal blocks (column-oriented substitution, FP32), then levels (3xTF32) ----
   // (threads 0 .. 63, a serial chain; meanwhile the forward's other warps copy the staged Qg and Kg to the
   // record in 16-byte pieces, before A diag(beta) and the inverse's levels touch shared memory near them)
