@@ -280,8 +280,8 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
 // pair of bf16 whose anchored factors lie in [e^-80, e^80], never 0 or Inf. A NaN or Inf in q[i][d] or k[i][d] makes
 // a hi or lo part NaN or Inf (the lo part of an Inf is Inf - Inf = NaN), and one NaN or Inf product makes the sum NaN
 // or Inf whatever it is multiplied by (0 x Inf is NaN): the entry is finite exactly when both rows are and their
-// products do not overflow FP32 (bf16 for Cc: |k| beyond ~6e3 under gates of -5 per token, values whose chunk
-// products are garbage anyway). A few FFMA in two warps instead of a probe of every q and k value in every thread.
+// products do not overflow (bf16 for Cc: |k| of about 1e6 under gates of -5 per token, values whose chunk products
+// are garbage anyway). A few FFMA in two warps instead of a probe of every q and k value in every thread.
 template <class Rec, bool PER_BLOCK>
 __device__ __forceinline__ void lq_blocks(char* smem, char* rec, float scale, int* status, int warp, int lane) {
   if (warp < 6) {
