@@ -4,8 +4,9 @@
 // (diagonal blocks by substitution, the others by level in 3xTF32); W = A diag(beta) (K o exp G). The record
 // format is the caller's: a record policy `Rec` (FwdRecord in kda_fwd.cu, BwdRecord in kda_bwd.cu) says where each
 // piece goes and whether the backward's extras are made (Rec::kBwd: P, A, U, L from K_r hi x Cc hi + lo instead of hi x hi).
-// On the way it tests the values it holds against the domain (g, beta, q, k; the backward's v) and reports any outside
-// it in the status word (kda_status.cuh).
+// On the way it tests the values against the domain and reports any outside it in the status word (kda_status.cuh):
+// g and beta as they are loaded, q and k through the diagonal blocks of Aqk (lq_blocks), the backward's v in the
+// fragments of U's products.
 #pragma once
 
 #include "kda_common.cuh"
@@ -181,7 +182,7 @@ constexpr float kOneAnchor = 64.f;
 // anchored per row block (PER_BLOCK: a_I = 16 I), the factor diag(exp(G_aI - G_aJ)) (<= 1, = 1 on the diagonal)
 // is applied to the Cc fragment in registers, so one Cc tile serves every block and no block waits for another.
 template <class Rec, bool PER_BLOCK, bool DO_L, bool DO_Q>
-__device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, float scale, int lane) {
+__device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, float scale, int lane) {
   const __nv_bfloat16* sKr = reinterpret_cast<const __nv_bfloat16*>(smem + P_KR);
   const __nv_bfloat16* sQrh = reinterpret_cast<const __nv_bfloat16*>(smem + P_QRH);
   const __nv_bfloat16* sQrl = reinterpret_cast<const __nv_bfloat16*>(smem + P_QRL);
@@ -229,6 +230,12 @@ __device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, fl
       if constexpr (Rec::kBwd) mma_n16(accL[0], accL[1], af, bl);  // K_r hi x Cc lo too (K_r's lo has no room)
     }
   }
+  float probe = 0.f;  // the finiteness probe of the Aqk products (kda_status.cuh; lq_blocks reads it on the diagonal)
+  if constexpr (DO_Q)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) probe = status::probe_f32(probe, accQ[n][e]);
 #pragma unroll
   for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -262,20 +269,30 @@ __device__ __forceinline__ void lq_block(int I, int J, char* smem, char* rec, fl
         }
       }
     }
+  return probe;
 }
 
 // L and Aqk of the ten lower 16x16 blocks, all at once. Per warp, in mma_n16 per k-step: warps 0..5 both products
 // of one block below the diagonal (4, + the Cc factor when PER_BLOCK), then warps 0..3 the L of diagonal block w
 // (1); warps 6, 7 the Aqk of two diagonal blocks each (3 + 3).
+// The diagonal blocks' Aqk is also the check that q and k are finite (reported into *status, kda_status.cuh): row i
+// of q and of k meet in the entry (i, i), the sum over every column d of Q_r[i][d] Cc[i][d], each factor a hi + lo
+// pair of bf16 whose anchored factors lie in [e^-80, e^80], never 0 or Inf. A NaN or Inf in q[i][d] or k[i][d] makes
+// a hi or lo part NaN or Inf (the lo part of an Inf is Inf - Inf = NaN), and one NaN or Inf product makes the sum NaN
+// or Inf whatever it is multiplied by (0 x Inf is NaN): the entry is finite exactly when both rows are and their
+// products do not overflow (bf16 for Cc: |k| of about 1e6 under gates of -5 per token, values whose chunk products
+// are garbage anyway). A few FFMA in two warps instead of a probe of every q and k value in every thread.
 template <class Rec, bool PER_BLOCK>
-__device__ __forceinline__ void lq_blocks(char* smem, char* rec, float scale, int warp, int lane) {
+__device__ __forceinline__ void lq_blocks(char* smem, char* rec, float scale, int* status, int warp, int lane) {
   if (warp < 6) {
     const int I = warp < 1 ? 1 : (warp < 3 ? 2 : 3), J = warp - (I * (I - 1)) / 2;
     lq_block<Rec, PER_BLOCK, true, true>(I, J, smem, rec, scale, lane);
     if (warp < 4) lq_block<Rec, PER_BLOCK, true, false>(warp, warp, smem, rec, scale, lane);
   } else {
-    lq_block<Rec, PER_BLOCK, false, true>(2 * (warp - 6), 2 * (warp - 6), smem, rec, scale, lane);
-    lq_block<Rec, PER_BLOCK, false, true>(2 * (warp - 6) + 1, 2 * (warp - 6) + 1, smem, rec, scale, lane);
+    const int I = 2 * (warp - 6);
+    const float probe = lq_block<Rec, PER_BLOCK, false, true>(I, I, smem, rec, scale, lane) +
+                        lq_block<Rec, PER_BLOCK, false, true>(I + 1, I + 1, smem, rec, scale, lane);
+    status::report(status, status::probe_code_f32(probe));
   }
 }
 
@@ -369,13 +386,11 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
   const float ek1 = ONE ? fexp_ftz(gl1 - an1) : fexp_ftz(G1[15] - an1);
   const float el0 = ONE ? 1.f : fexp_ftz(gl0 - G0[15]), el1 = ONE ? 1.f : fexp_ftz(gl1 - G1[15]);
   uint32_t xr[16], qgr[Rec::kBwd ? 1 : 16], kgr[Rec::kBwd ? 1 : 16];
-  uint32_t finite = 0u;  // the q and k pairs' finiteness probe (kda_status.cuh)
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int j = rq * 16 + i;
     const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
     const uint32_t qw = *reinterpret_cast<const uint32_t*>(sQ + j * D + d0);
-    finite = status::probe_bf16x2(finite, status::probe_bf16x2(kk[i], qw));  // (k, or NaN if q is not finite)
     const float2 qf = bf2_to_f2(qw);
     const float e0 = fexp_ftz(G0[i] - an0), e1 = fexp_ftz(G1[i] - an1);  // <= 1
     const float kr0 = kf.x * e0, kr1 = kf.y * e1, qr0 = qf.x * e0, qr1 = qf.y * e1;
@@ -399,11 +414,10 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
           ONE ? pack_bf16(cc0 * ek0, cc1 * ek1) : pack_bf16((cc0 * ek0) * el0, (cc1 * ek1) * el1);
     }
   }
-  status::report(a.status, status::probe_code(finite));
   __syncthreads();
 
-  // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once ----
-  lq_blocks<Rec, !ONE>(smem, rec, a.scale, warp, lane);
+  // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once (and the q / k finiteness check) ----
+  lq_blocks<Rec, !ONE>(smem, rec, a.scale, a.status, warp, lane);
   __syncthreads();
 
   if constexpr (Rec::kBwd) {  // V (for U) lands while X is formed and A inverted

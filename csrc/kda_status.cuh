@@ -1,9 +1,9 @@
 // The value-domain status word (kda_kcp/status.py): one int32 per device that the chunk preps (kda_chunk_prep.cuh)
 // OR a bit into when a value they hold lies outside the domain (every value finite, g in [-5, 0], beta in [0, 2]),
 // and the kernel that then sets a call's outputs to NaN (exported by both programs through kda_status_binding.h).
-// Clean inputs cost the preps one instruction per gate a thread holds, one per bf16 pair of q or k (and in the
-// backward per pair of v, in half the warps) and a warp vote per check; a bad value costs an atomicOr per warp that
-// saw one. No host synchronization: Python copies the word to pinned memory after each call and raises at a
+// Clean inputs cost the preps one instruction per gate a thread holds, eight FFMA per lane of the two warps that
+// form Aqk's diagonal blocks (q and k: kda_chunk_prep.cuh lq_blocks), in the backward one HFMA2 per pair of v in half
+// the warps, and a warp vote per check; a bad value costs an atomicOr per warp that saw one. No host synchronization: Python copies the word to pinned memory after each call and raises at a
 // later call (or at kda_kcp.check_status).
 //
 // Only CUDA's own headers here: the CPU emulation (tests/emulation/) stands for them in
@@ -65,6 +65,11 @@ __device__ __forceinline__ uint32_t probe_bf16x2(uint32_t acc, uint32_t x) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 __device__ __forceinline__ unsigned probe_code(uint32_t acc) { return (acc & 0x7fff7fffu) != 0u ? kNonFinite : 0u; }
+
+// The same over fp32 values, one FFMA each: x * 0 + acc stays +0 while x is finite, and is NaN from the first Inf or
+// NaN on (the intrinsic is not folded: x * 0 is not 0 for those).
+__device__ __forceinline__ float probe_f32(float acc, float x) { return __fmaf_rn(x, 0.f, acc); }
+__device__ __forceinline__ unsigned probe_code_f32(float acc) { return acc != 0.f ? kNonFinite : 0u; }  // NaN != 0
 
 // Each warp's codes ORed into *word (null: not reported): one vote; a warp that saw something reduces its codes and
 // lane 0 ORs them in. Every lane of the warp calls it.

@@ -7,7 +7,8 @@ overflow near -5.85), so no call lets such values pass silently:
 
 * torch backend: ``domain_error`` checks the inputs with torch ops before computing and the call raises
   ``ValueError`` at once (one host synchronization; the slow path).
-* CUDA backend: the chunk preps test the values they hold in registers anyway and OR a bit into one int32 status
+* CUDA backend: the chunk preps test the values they hold in registers anyway (q and k through the diagonal of
+  their products, which also catches finite values so large that those overflow) and OR a bit into one int32 status
   word per device (csrc/kda_status.cuh). After each call's kernels a small kernel sets that call's outputs (and the
   summaries a KCP rank publishes) to NaN if the word is set, and the word is copied to pinned host memory behind an
   event. At the start of the next call ``pending_error`` polls those events (``event.query``, never a
@@ -155,9 +156,13 @@ def after_call(device) -> None:
 
 
 def _message(code: int, device, issued: str) -> str:
+    # the preps check q and k through their products (csrc/kda_chunk_prep.cuh lq_blocks): finite values so large
+    # that those overflow are reported as non-finite too
+    products = (" (non-finite: a NaN or Inf, or q and k so large that a chunk's products overflow)"
+                if code & NONFINITE else "")
     return (f"kda_kcp: {issued} on {device} read input values outside the domain ({describe(code)}): its outputs were "
-            f"set to NaN, and so were those of any call issued after it up to this check. {_DOMAIN_SENTENCE} "
-            "validate=True checks each call's inputs before it runs (one host synchronization).")
+            f"set to NaN, and so were those of any call issued after it up to this check.{products} "
+            f"{_DOMAIN_SENTENCE} validate=True checks each call's inputs before it runs (one host synchronization).")
 
 
 def pending_error(device) -> str | None:

@@ -105,6 +105,37 @@ def test_backward_prep_sees_v_everywhere(emu, at):
     assert _prep_bits(emu, plan, with_value(inputs, "v", "nan", at), fwd=False) == (NF,)
 
 
+@pytest.mark.parametrize("gates", ["benchmark", "strong"])
+@pytest.mark.parametrize("name, value, at", [
+    ("q", "inf", (40, 0, 0)), ("k", "nan", (40, 0, 127)), ("q", "nan", (55, 0, 64)), ("k", "inf", (56, 0, 3)),
+    ("q", "-inf", (71, 0, 100)), ("k", "-inf", (88, 0, 17)), ("q", "nan", (103, 0, 127)), ("k", "nan", (103, 0, 0)),
+])
+def test_preps_see_q_and_k_in_every_row(emu, gates, name, value, at):
+    """q and k are checked through the diagonal blocks of Aqk (kda_chunk_prep.cuh lq_blocks): a NaN or Inf in any row
+    of a chunk (its first and last row, the rows around the 16-row blocks' edges) and any column is seen by both preps,
+    with the chunk's one anchor (benchmark gates) and with one anchor per row block (g = -5 throughout), also where
+    the other factor of that column is 0 (0 x Inf is NaN)."""
+    plan, inputs, *_ = _case(CU, H, 3)
+    q, k, v, g, beta = (x.clone() for x in inputs)
+    if gates == "strong":
+        g[40:104] = -5.0
+    other = k if name == "q" else q
+    other[at] = 0.0
+    assert _prep_bits(emu, plan, with_value((q, k, v, g, beta), name, value, at)) == (NF, NF)
+
+
+def test_preps_report_q_k_products_that_overflow(emu):
+    """Finite k of 1e6 under gates of -5 per token: the column side of the anchored products, k exp(G_a - G), leaves
+    bf16's range at a row block's last row (1e6 e^75 > 3.4e38), so the chunk's products would be garbage; the preps
+    report it as non-finite. The same k under the test's gates stays in range and nothing is reported."""
+    plan, inputs, *_ = _case(CU, H, 3)
+    q, k, v, g, beta = (x.clone() for x in inputs)
+    k[40:104] = 1e6
+    assert _prep_bits(emu, plan, (q, k, v, g, beta)) == (0, 0)
+    g[40:104] = -5.0
+    assert _prep_bits(emu, plan, (q, k, v, g, beta)) == (NF, NF)
+
+
 def test_fill_sets_outputs_to_nan_only_with_a_set_word(emu):
     gen = torch.Generator().manual_seed(1)
     outs = [torch.randn(300, 7, generator=gen).bfloat16(), torch.randn(1001, generator=gen),

@@ -117,6 +117,7 @@ inline unsigned __vmaxu2(unsigned a, unsigned b) {
   const unsigned lo = std::max(a & 0xffffu, b & 0xffffu), hi = std::max(a >> 16, b >> 16);
   return lo | (hi << 16);
 }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 template <class K, class A>
