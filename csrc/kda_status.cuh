@@ -2,9 +2,10 @@
 // OR a bit into when a value they hold lies outside the domain (every value finite, g in [-5, 0], beta in [0, 2]),
 // and the kernel that then sets a call's outputs to NaN (exported by both programs through kda_status_binding.h).
 // Clean inputs cost the preps one instruction per gate a thread holds, eight FFMA per lane of the two warps that
-// form Aqk's diagonal blocks (q and k: kda_chunk_prep.cuh lq_blocks), in the backward one HFMA2 per pair of v in half
-// the warps, and a warp vote per check; a bad value costs an atomicOr per warp that saw one. No host synchronization: Python copies the word to pinned memory after each call and raises at a
-// later call (or at kda_kcp.check_status).
+// form Aqk's diagonal blocks (q and k: kda_chunk_prep.cuh lq_blocks), in the backward one HFMA2 per pair of v in
+// half the warps, and a warp vote per check; a bad value costs an atomicOr per warp that saw one. No host
+// synchronization: Python copies the word to pinned memory after each call and raises at a later call (or at
+// kda_kcp.check_status).
 //
 // Only CUDA's own headers here: the CPU emulation (tests/emulation/) stands for them in
 // tests/test_value_status_emulation.py.
