@@ -406,12 +406,11 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
     xr[i] = pack_bf16(kr0 * ex0, kr1 * ex1);  // X = K o exp(G - G_a) exp(G_a), either path
     if constexpr (!Rec::kBwd) {
       qgr[i] = pack_f16(qr0 * eq0, qr1 * eq1);
-      kgr[i] = ONE ? pack_f16(cc0 * ek0, cc1 * ek1) : pack_f16((cc0 * ek0) * el0, (cc1 * ek1) * el1);
+      kgr[i] = pack_f16((cc0 * ek0) * el0, (cc1 * ek1) * el1);
     }
     if constexpr (Rec::kBwd) {
       *reinterpret_cast<uint32_t*>(Rec::qg(rec) + j * D + d0) = pack_bf16(qr0 * eq0, qr1 * eq1);
-      *reinterpret_cast<uint32_t*>(Rec::kg(rec) + j * D + d0) =
-          ONE ? pack_bf16(cc0 * ek0, cc1 * ek1) : pack_bf16((cc0 * ek0) * el0, (cc1 * ek1) * el1);
+      *reinterpret_cast<uint32_t*>(Rec::kg(rec) + j * D + d0) = pack_bf16((cc0 * ek0) * el0, (cc1 * ek1) * el1);
     }
   }
   __syncthreads();
