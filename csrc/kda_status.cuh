@@ -4,8 +4,8 @@
 // Clean inputs cost the preps one instruction per gate a thread holds, eight FFMA per lane of the two warps that
 // form Aqk's diagonal blocks (q and k: kda_chunk_prep.cuh lq_blocks), in the backward one HFMA2 per pair of v in
 // half the warps, and a warp vote per check; a bad value costs an atomicOr per warp that saw one. No host
-// synchronization: Python copies the word to pinned memory after each call and raises at a later call (or at
-// kda_kcp.check_status).
+// synchronization: the fill kernel that ends each call also stores the word into a slot of mapped pinned host
+// memory that Python polls behind an event, and a later call raises (or kda_kcp.check_status).
 //
 // Only CUDA's own headers here: the CPU emulation (tests/emulation/) stands for them in
 // tests/test_value_status_emulation.py.
@@ -87,16 +87,23 @@ constexpr int kFillThreads = 256;
 constexpr int kFillMaxBlocks = 256;
 struct FillArgs {
   const int* word;
+  int* report;  // the device address of a mapped pinned host int that receives the word, or null
   void* ptr[kFillSlots];
   int64_t n[kFillSlots];   // elements (0: an unused slot)
   int bytes[kFillSlots];   // 2: bf16, 4: fp32
 };
 
 // A template so that the programs' two translation units may both see it (the bindings instantiate it). With a
-// clean word every CTA ends after one load.
+// clean word every CTA ends after one load. CTA 0 publishes the word to the host slot: no copy on the stream, and
+// the event Python records after this kernel orders the host's read after the store.
 template <int SLOTS>
 __global__ void __launch_bounds__(kFillThreads) fill_nan_kernel(const FillArgs a) {
-  if (*a.word == 0) return;
+  const int w = *a.word;
+  if (a.report != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    *static_cast<volatile int*>(a.report) = w;
+    __threadfence_system();
+  }
+  if (w == 0) return;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kFillThreads;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kFillThreads + threadIdx.x;
 #pragma unroll 1

@@ -10,9 +10,10 @@ overflow near -5.85), so no call lets such values pass silently:
 * CUDA backend: the chunk preps test the values they hold in registers anyway (q and k through the diagonal of
   their products, which also catches finite values so large that those overflow) and OR a bit into one int32 status
   word per device (csrc/kda_status.cuh). After each call's kernels a small kernel sets that call's outputs (and the
-  summaries a KCP rank publishes) to NaN if the word is set, and the word is copied to pinned host memory behind an
-  event. At the start of the next call ``pending_error`` polls those events (``event.query``, never a
-  synchronization) and the call raises ``ValueError`` naming what was seen. ``check_status`` raises at once.
+  summaries a KCP rank publishes) to NaN if the word is set and stores the word into a slot of mapped pinned host
+  memory, behind an event (``finish``: no copy on the stream). At the start of the next call ``pending_error`` polls
+  those events (``event.query``, never a synchronization) and the call raises ``ValueError`` naming what was seen.
+  ``check_status`` raises at once.
 
 ``validate=True`` (kda_kcp.validate.check_values) runs the torch check before any kernel, on either backend.
 """
@@ -25,7 +26,7 @@ from collections import deque
 import torch
 
 __all__ = ["G_MIN", "G_MAX", "BETA_MIN", "BETA_MAX", "NONFINITE", "G_ABOVE", "G_BELOW", "BETA_RANGE", "DOMAIN",
-           "describe", "domain_error", "word", "fill", "after_call", "pending_error", "raise_pending", "check_status"]
+           "describe", "domain_error", "word", "fill", "finish", "pending_error", "raise_pending", "check_status"]
 
 G_MIN, G_MAX = -5.0, 0.0
 BETA_MIN, BETA_MAX = 0.0, 2.0  # 2: FLA's allow_neg_eigval doubles beta
@@ -82,7 +83,9 @@ class _Status:
         self.device = device
         self.word = torch.zeros(1, dtype=torch.int32, device=device)
         self.none = torch.empty(0, dtype=torch.float32, device=device)  # status_fill's unused slots
+        self.no_report = torch.empty(0, dtype=torch.int32)  # status_fill without a host slot
         self.cuda = device.type == "cuda"
+        self.mapped = self.cuda  # False once the binding refused a slot: the word is then copied (``_copy``)
         self.host = torch.zeros(_SLOTS, dtype=torch.int32, pin_memory=self.cuda)
         self.host_view = self.host.numpy()
         self.slots = [self.host[i:i + 1] for i in range(_SLOTS)]
@@ -136,21 +139,42 @@ def _capturing(st: _Status) -> bool:
 
 
 def fill(mod, device, *outputs) -> None:
-    """After a call's kernels (or before a KCP rank publishes its summaries): every output (bf16 or fp32, at most 5)
-    set to NaN on the current stream if the word is set, by the program ``mod``'s status_fill. A tiny kernel whose
-    CTAs end after one load when the word is zero."""
+    """Before a KCP rank publishes its summaries: every output (bf16 or fp32, at most 5) set to NaN on the current
+    stream if the word is set, by the program ``mod``'s status_fill. A tiny kernel whose CTAs end after one load
+    when the word is zero."""
     st = _status(device)
-    mod.status_fill(st.word, *outputs, *(st.none,) * (_FILL_SLOTS - len(outputs)))
+    mod.status_fill(st.word, st.no_report, *outputs, *(st.none,) * (_FILL_SLOTS - len(outputs)))
 
 
-def after_call(device) -> None:
-    """After a call's kernels: a non-blocking copy of the word to a pinned slot and an event after it (none while a
-    CUDA graph is being captured; none when every slot is in flight: the word stays set, so a later copy sees it)."""
+def finish(mod, device, *outputs) -> None:
+    """After a call's kernels: ``fill`` of its outputs, and the word stored into a free pinned host slot by the same
+    kernel, with an event recorded after it that ``pending_error`` polls. No slot while a CUDA graph is being
+    captured, nor when every slot is in flight (the word stays set, so a later call's slot sees it). Where the
+    binding refuses the slot (pinned memory not mapped into the device's address space) the word is copied to the
+    slot instead, for the rest of the process."""
     st = _status(device)
+    pad = (st.none,) * (_FILL_SLOTS - len(outputs))
     if not st.cuda or _capturing(st) or not st.free:
+        mod.status_fill(st.word, st.no_report, *outputs, *pad)
         return
     slot = st.free.pop()
-    st.slots[slot].copy_(st.word, non_blocking=True)  # on the word's device's current stream, as the event
+    try:
+        mod.status_fill(st.word, st.slots[slot] if st.mapped else st.no_report, *outputs, *pad)
+    except ValueError as e:
+        if "status report slot" not in str(e):
+            st.free.append(slot)
+            raise
+        st.mapped = False  # (the binding checks the slot before it launches anything)
+        try:
+            mod.status_fill(st.word, st.no_report, *outputs, *pad)
+        except BaseException:
+            st.free.append(slot)
+            raise
+    except BaseException:
+        st.free.append(slot)
+        raise
+    if not st.mapped:
+        st.slots[slot].copy_(st.word, non_blocking=True)  # on the word's device's current stream, as the event
     st.events[slot].record(torch.cuda.current_stream(st.device))
     st.pending.append([slot, True])
 

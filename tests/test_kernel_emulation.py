@@ -405,11 +405,11 @@ class _Programs:
         self._ok(self.lib.e_merge(_p(m), _p(e), _p(chains), chains.shape[0], m.shape[1], _p(init), _p(out), None, 0),
                  "merge_fold")
 
-    def status_fill(self, word, *outputs):
+    def status_fill(self, word, report, *outputs):
         ptrs = (ctypes.c_void_p * 5)(*(_p(t).value for t in outputs))
         n = (ctypes.c_int64 * 5)(*(t.numel() for t in outputs))
         nbytes = (ctypes.c_int * 5)(*(t.element_size() for t in outputs))
-        self._ok(self.lib.e_status_fill(_p(word), ptrs, n, nbytes), "status_fill")
+        self._ok(self.lib.e_status_fill(_p(word), _p(report), ptrs, n, nbytes), "status_fill")
 
     def merge_compose(self, m, e, chains, m_out, e_out):
         self._ok(self.lib.e_merge(_p(m), _p(e), _p(chains), chains.shape[0], m.shape[1], None, _p(m_out), _p(e_out),

@@ -118,3 +118,77 @@ def test_domain_edges_pass(args):
     for x, r in zip(leaves, ref_leaves):
         assert torch.isfinite(x.grad).all()
         assert torch.allclose(x.grad.double(), r.grad, atol=1e-4, rtol=1e-3)
+
+
+class _Event:
+    def __init__(self):
+        self.recorded = 0
+
+    def record(self, stream=None):
+        self.recorded += 1
+
+    def query(self):
+        return True
+
+
+class _Program:
+    """Stands for a program's status_fill: stores the word into the slot as the kernel does, or refuses a slot as
+    the binding does for memory that is not mapped."""
+
+    def __init__(self, maps=True, fails=None):
+        self.maps, self.fails, self.calls = maps, fails, []
+
+    def status_fill(self, word, report, *outputs):
+        self.calls.append(report.numel())
+        if self.fails is not None:
+            raise self.fails
+        if report.numel():
+            if not self.maps:
+                raise ValueError("status report slot is not mapped pinned host memory")
+            report.copy_(word)
+
+
+@pytest.fixture
+def fake_cuda_status(monkeypatch):
+    """A _Status whose slots and events behave as on a GPU (the word and the slots on the CPU)."""
+    from kda_kcp import status
+    st = status._Status(torch.device("cpu"))
+    st.cuda = st.mapped = True
+    st.events = [_Event() for _ in range(status._SLOTS)]
+    monkeypatch.setattr(status, "_status", lambda device: st)
+    monkeypatch.setattr(status, "_capturing", lambda s: False)
+    monkeypatch.setattr(status.torch.cuda, "current_stream", lambda device=None: None)
+    return status, st
+
+
+def test_finish_publishes_the_word_through_a_slot(fake_cuda_status):
+    status, st = fake_cuda_status
+    mod = _Program()
+    status.finish(mod, "cpu", torch.zeros(3))
+    assert mod.calls == [1] and len(st.pending) == 1 and len(st.free) == status._SLOTS - 1
+    assert status.pending_error(st) is None and len(st.free) == status._SLOTS  # the slot is free again
+    st.word.fill_(status.G_BELOW)
+    status.finish(mod, "cpu", torch.zeros(3))
+    msg = status.pending_error(st)
+    assert msg is not None and "g below -5" in msg
+    assert st.word.item() == 0  # the error reset the word
+
+
+def test_finish_copies_the_word_where_the_slot_is_refused(fake_cuda_status):
+    status, st = fake_cuda_status
+    mod = _Program(maps=False)
+    st.word.fill_(status.NONFINITE)
+    status.finish(mod, "cpu", torch.zeros(3))
+    assert mod.calls == [1, 0] and not st.mapped  # refused, then the fill without a slot and the copy
+    assert "non-finite" in status.pending_error(st)
+    status.finish(mod, "cpu", torch.zeros(3))
+    assert mod.calls == [1, 0, 0]  # no slot offered again in this process
+    assert status.pending_error(st) is None and len(st.free) == status._SLOTS
+
+
+def test_finish_returns_the_slot_when_the_fill_raises(fake_cuda_status):
+    status, st = fake_cuda_status
+    mod = _Program(fails=TypeError("status_fill outputs must be bfloat16 or float32"))
+    with pytest.raises(TypeError):
+        status.finish(mod, "cpu", torch.zeros(3, dtype=torch.int64))
+    assert len(st.free) == status._SLOTS and not st.pending and st.mapped

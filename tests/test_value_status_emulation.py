@@ -144,11 +144,16 @@ def test_fill_sets_outputs_to_nan_only_with_a_set_word(emu):
     programs = _Programs(emu)
     none = torch.empty(0)
     word = torch.zeros(1, dtype=torch.int32)
-    programs.status_fill(word, *outs, none, none)
+    slot = torch.full((1,), -1, dtype=torch.int32)  # the host slot the kernel publishes the word to
+    programs.status_fill(word, slot, *outs, none, none)
     assert all(torch.equal(x, y) for x, y in zip(outs, kept))
+    assert slot.item() == 0
     word.fill_(BELOW)
-    programs.status_fill(word, *outs, none, none)
+    programs.status_fill(word, torch.empty(0, dtype=torch.int32), *outs, none, none)  # no slot: outputs only
     assert all(torch.isnan(x.float()).all() for x in outs)
+    assert slot.item() == 0
+    programs.status_fill(word, slot, none, none, none, none, none)  # no output: the word still reaches the slot
+    assert slot.item() == BELOW
 
 
 def test_cuda_path_returns_nan_and_the_next_call_raises(emu, monkeypatch, clean_status):

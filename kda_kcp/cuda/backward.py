@@ -137,12 +137,11 @@ class PreparedBackward:
 
     def grads(self, state_in=None, dstate_out=None):
         """dq, dk, dv (bf16), dg (fp32), dbeta (bf16) of every run, from each run's incoming state and
-        the gradient of its outgoing state (None: zero); NaN if the status word is set (kda_kcp.status), which is
-        then copied to the host."""
+        the gradient of its outgoing state (None: zero); NaN if the status word is set (kda_kcp.status), which
+        then reaches the host (status.finish)."""
         grads = self._grads(state_in, dstate_out)
         if self.mod is not None:
-            status.fill(self.mod, self.dev, *grads)
-            status.after_call(self.dev)
+            status.finish(self.mod, self.dev, *grads)
         return grads
 
     def _grads(self, state_in, dstate_out):

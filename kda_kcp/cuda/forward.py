@@ -336,11 +336,10 @@ class PreparedForward:
 
     def output(self, state_in=None):
         """o [T, H, 128] bf16 of every run from its incoming state (``state_in`` [R, H, 128, 128] fp32 or
-        None = zero); NaN if the status word is set (kda_kcp.status), which is then copied to the host."""
+        None = zero); NaN if the status word is set (kda_kcp.status), which then reaches the host (status.finish)."""
         o = self._output(state_in)
         if self.mod is not None:
-            status.fill(self.mod, self.dev, o)
-            status.after_call(self.dev)
+            status.finish(self.mod, self.dev, o)
         return o
 
     def _output(self, state_in):

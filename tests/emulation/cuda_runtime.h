@@ -72,6 +72,7 @@ inline thread_local WarpCtx* t_warp = nullptr;
 inline thread_local int t_lane = 0;
 alignas(1024) inline char g_smem[256 * 1024];
 inline void __syncthreads() { g_block->bar->arrive_and_wait(); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline thread_local int t_votes = 0;  // this thread's __syncthreads_or calls so far (threads are made per block)
 // Slot n % 3 of call n: thread 0 clears the next call's slot before the barrier (its readers, two calls back, are past
 // the previous barrier; its writers come after this one).

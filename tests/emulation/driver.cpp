@@ -59,17 +59,19 @@ int e_fwd_record_bytes() { return kda::kFwdRecordBytes; }
 // ---- the NaN fill of the value-domain status (csrc/kda_status.cuh), launched as kda_status_binding.h does ----
 #include "kda_status.cuh"
 extern "C" {
-// ptrs, n, bytes: kFillSlots entries each (n 0: unused)
-int e_status_fill(int* word, void** ptrs, int64_t* n, int* bytes) {
+// report: the host slot (the emulation's device address is the host's) or null; ptrs, n, bytes: kFillSlots entries
+// each (n 0: unused)
+int e_status_fill(int* word, int* report, void** ptrs, int64_t* n, int* bytes) {
   namespace S = kda::status;
   S::FillArgs a{};
   a.word = word;
+  a.report = report;
   int64_t most = 0;
   for (int s = 0; s < S::kFillSlots; ++s) {
     a.ptr[s] = ptrs[s]; a.n[s] = n[s]; a.bytes[s] = bytes[s];
     most = n[s] > most ? n[s] : most;
   }
-  if (most > 0) emu_launch(S::fill_nan_kernel<S::kFillSlots>, dim3(S::fill_blocks(most)), S::kFillThreads, 0, nullptr, a);
+  if (most > 0 || report != nullptr) emu_launch(S::fill_nan_kernel<S::kFillSlots>, dim3(S::fill_blocks(most)), S::kFillThreads, 0, nullptr, a);
   return 0;
 }
 }

@@ -58,6 +58,34 @@ def clean_status():
 
 
 
+def test_the_word_reaches_the_host_without_a_copy(data):
+    """The fill kernel that ends a call stores the word into the mapped pinned slot itself (kda_kcp.status.finish):
+    the slot holds the word after the call, and the call makes no device-to-host copy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kda_kcp import status
+    inputs, do, ctx = data
+    st = status._status(DEV)
+    kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx)  # warm: programs loaded, status made
+    torch.cuda.synchronize()
+    kda_kcp.check_status()
+    assert st.mapped, "the binding refused the pinned slot (the copy fallback is in use)"
+    st.host.fill_(-1)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx)
+        torch.cuda.synchronize()
+    slot = st.pending[-1][0]
+    assert st.host[slot].item() == 0
+    copies = [e.name for e in prof.events() if "memcpy" in e.name.lower() and "dtoh" in e.name.lower()]
+    assert not copies, copies
+    bad = [x.clone() for x in inputs]
+    bad[3][AT] = -6.0
+    kda_kcp.chunk_kda_fwd_kcp(*bad, ctx)
+    torch.cuda.synchronize()
+    assert st.host[st.pending[-1][0]].item() == status.G_BELOW
+    _raises_next(inputs, ctx, "g below -5")
+
+
 def _step(inputs, do, ctx, workspace=None):
     o, saved = kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx, workspace=workspace)
     return (o, *kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx, workspace=workspace))
