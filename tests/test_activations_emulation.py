@@ -3,7 +3,8 @@ emulation of tests/emulation/ (as tests/test_kernel_emulation.py builds the KDA 
 kda_kcp/cuda/activations.py, the CUDA path's own wrapper, with the emulated program standing for the loaded one.
 Against kda_kcp.fla's torch ops in FP64: every option combination (softplus gate, lower_bound with and without A_log,
 with and without dt_bias, the beta sigmoid with allow_neg_eigval), GVA, token counts that end inside a 64-token
-item, BF16 and FP32 raw inputs; the gradients of A_log and dt_bias bitwise repeatable; NaN propagating."""
+item, BF16 and FP32 raw inputs; the gradients of A_log and dt_bias bitwise repeatable; NaN propagating. And
+csrc/kda_warp_rows.cuh's warp_sum_rows against warp_sum, bit for bit."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class _ActProgram:
         self.lib = lib
         lib.e_act_fwd.argtypes = _INPUTS + [_P] * 6
         lib.e_act_bwd.argtypes = _INPUTS + [_P] * 12
+        lib.e_warp_sums.argtypes = [_P, _I, _P, _P, _P]
 
     @staticmethod
     def _inputs(q, k, g, beta, a_log, dt_bias, N, H, HV, form, lb, bs):
@@ -83,6 +85,42 @@ def emulated(program, monkeypatch):
 
 def test_rows_per_item_matches_the_kernel(emulated):
     assert emulated.act_rows_per_item() == activations.ROWS_PER_ITEM
+
+
+def _order_sensitive_partials(R, seed):
+    """[R, 32] FP32 partials whose FP32 sum depends on the order of the additions: magnitudes over 16 binades, signs
+    mixed, and in every row a pair of about 3e7 that cancels exactly (the small values added to either one first lose
+    their low bits)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, 32, generator=gen) * 2.0 ** torch.randint(-8, 9, (R, 32), generator=gen).float()
+    x[:, 0] = 3e7 * (1 + torch.rand(R, generator=gen))
+    x[:, 1] = -x[:, 0]
+    return x.contiguous()
+
+
+def _butterfly(x):
+    """warp_sum's tree in FP32 (lane l adds lane l ^ o's value, offsets 16 .. 1), lane 0's result per row."""
+    x = x.clone()
+    for o in (16, 8, 4, 2, 1):
+        x = x + x[:, torch.arange(32) ^ o]
+    return x[:, 0]
+
+
+@pytest.mark.parametrize("R", [1, 2, 4, 8, 16, 32])
+def test_warp_sum_rows_adds_as_warp_sum_per_row(program, R):
+    """csrc/kda_warp_rows.cuh: the sums of R rows from one butterfly sequence equal warp_sum's of each row bit for bit,
+    on every lane, and each lane's own row comes back to it; on partials where another order of the same additions
+    (left to right) gives other bits, so that the check sees the order."""
+    p = _order_sensitive_partials(R, seed=R)
+    rows, single, own = torch.empty(R, 32), torch.empty(R, 32), torch.empty(32)
+    assert program.lib.e_warp_sums(_p(p), R, _p(rows), _p(own), _p(single)) == 0
+    assert torch.equal(single, _butterfly(p)[:, None].expand(R, 32)), "warp_sum is the butterfly of offsets 16 .. 1"
+    assert torch.equal(rows.view(torch.int32), single.view(torch.int32))
+    assert torch.equal(own.view(torch.int32), rows[torch.arange(32) // (32 // R), torch.arange(32)].view(torch.int32))
+    left_to_right = p[:, 0]
+    for lane in range(1, 32):
+        left_to_right = left_to_right + p[:, lane]
+    assert (left_to_right != single[:, 0]).all(), "the partials do not tell the orders apart"
 
 
 # (gate: None off | (A_log, dt_bias, lower_bound)), beta: None off | allow_neg_eigval

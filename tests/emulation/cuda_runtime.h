@@ -20,13 +20,17 @@
 typedef int cudaError_t;
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
+struct uint2 { uint32_t x, y; };
 struct uint4 { uint32_t x, y, z, w; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct int2 { int x, y; };
 inline int2 make_int2(int a, int b) { return {a, b}; }
+inline uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
+// loads and stores with cache hints: plain accesses here (the hints change no value)
 template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline void __stcs(T* p, T v) { *p = v; }
 typedef void* cudaStream_t;
 constexpr int cudaSuccess = 0;
 constexpr int cudaErrorInvalidValue = 1;
@@ -89,6 +93,14 @@ inline float __shfl_xor_sync(unsigned, float v, int m) {
   w->f[t_lane] = v;
   w->bar.arrive_and_wait();
   float r = w->f[t_lane ^ m];
+  w->bar.arrive_and_wait();
+  return r;
+}
+inline float __shfl_sync(unsigned, float v, int src) {
+  WarpCtx* w = t_warp;
+  w->f[t_lane] = v;
+  w->bar.arrive_and_wait();
+  float r = w->f[src & 31];
   w->bar.arrive_and_wait();
   return r;
 }
