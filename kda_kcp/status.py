@@ -153,28 +153,24 @@ def finish(mod, device, *outputs) -> None:
     binding refuses the slot (pinned memory not mapped into the device's address space) the word is copied to the
     slot instead, for the rest of the process."""
     st = _status(device)
-    pad = (st.none,) * (_FILL_SLOTS - len(outputs))
     if not st.cuda or _capturing(st) or not st.free:
-        mod.status_fill(st.word, st.no_report, *outputs, *pad)
+        fill(mod, device, *outputs)
         return
     slot = st.free.pop()
     try:
-        mod.status_fill(st.word, st.slots[slot] if st.mapped else st.no_report, *outputs, *pad)
-    except ValueError as e:
-        if "status report slot" not in str(e):
-            st.free.append(slot)
-            raise
-        st.mapped = False  # (the binding checks the slot before it launches anything)
-        try:
-            mod.status_fill(st.word, st.no_report, *outputs, *pad)
-        except BaseException:
-            st.free.append(slot)
-            raise
+        if st.mapped:
+            try:
+                mod.status_fill(st.word, st.slots[slot], *outputs, *(st.none,) * (_FILL_SLOTS - len(outputs)))
+            except ValueError as e:
+                if "status report slot" not in str(e):
+                    raise
+                st.mapped = False  # (the binding checks the slot before it launches anything)
+        if not st.mapped:
+            fill(mod, device, *outputs)
+            st.slots[slot].copy_(st.word, non_blocking=True)  # on the word's device's current stream, as the event
     except BaseException:
         st.free.append(slot)
         raise
-    if not st.mapped:
-        st.slots[slot].copy_(st.word, non_blocking=True)  # on the word's device's current stream, as the event
     st.events[slot].record(torch.cuda.current_stream(st.device))
     st.pending.append([slot, True])
 
