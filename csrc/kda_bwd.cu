@@ -789,15 +789,9 @@ constexpr int B_P = 0;        // P staged, fp32 [64][kPLd] (B3)
 constexpr int kPLd = 72;      // padded rows: B3's float2 reads in the accumulator pattern hit distinct banks
 constexpr int B_DPH = 196608; // dP, sw64 (B3 to the pairwise columns; over the dgamma partials)
 constexpr int B_DPL = 204800;
-constexpr int B_CCH = 49152;  // Cc, block-anchored (sw128; B4, over X, A, dA, T1)
-constexpr int B_CCL = 90112;
-constexpr int B_KRH = 0;      // anchored column operands (pairwise columns)
-constexpr int B_KRL = 16384;
-constexpr int B_QRH = 49152;
-constexpr int B_QRL = 65536;
-constexpr int B_Z = 81920;    // fp32 [CG][4 NT128][32 lanes]: row block 0's last column block (pairwise columns)
 constexpr int B_DG = 0;       // fp32 [64][128] dG staging (B5)
-// B4' (one-anchor chunks): its operands, swh tiles over the dead phase-B tiles, clear of s dAqk, dP, G, q and k
+// B4' (one-anchor chunks): its operands, swh tiles over the dead phase-B tiles, clear of s dAqk, dP, G, q and k;
+// B4 (per-block anchors) stages its three operand pairs in the same places (sw128)
 constexpr int O_KRH = 0;      // K o e^(G - G_63)
 constexpr int O_KRL = 16384;
 constexpr int O_CCH = 49152;  // K o e^(G_0 - G)
@@ -821,10 +815,7 @@ constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
 constexpr int S_DB = S_CS + 2048;       // fp32 [4 CG][64] partial row sums for dbeta
 constexpr int S_CF = S_DB + 4 * 4 * C * 4;  // fp32 [3][128] exp(G_16I - G_16(I-1)), I = 1..3: B4's steps
                                             // (B3-B4); before and after, the row scans' block totals (RowBlocks)
-static_assert(B_CCL + C * D * 2 <= B_G && B_CCH + C * D * 2 <= B_CCL, "Cc overflows");
 static_assert(B_P + C * kPLd * 4 <= B_SDAH, "staged P overflows");
-// z hand-over: CG x 4 NT128 x 32 floats = 4 x 16 x 32 (CG NT128 = 16 for either tiling)
-static_assert(B_Z >= B_QRL + C * D * 2 && B_Z + 4 * 16 * 32 * 4 <= B_G, "z hand-over overlaps the column operands or G");
 
 // Warp tiling of the gradient kernel: NW warps = 4 row blocks of 16 x CG column groups. Each warp owns
 // 16 rows x (128 / CG) columns of the 64 x 128 accumulators; more warps, fewer registers per thread.
@@ -1494,16 +1485,18 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         add_z(ni, e, r, cc, acc[0][ni][e] * fexp_ftz(sG[f32_at<true>(63, cc)] - sG[f32_at<true>(r, cc)]));
       }
   } else {
-    // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
-    // Cc holds K_j exp(G_a - G_j), a = 16 (j / 16) the first row of j's block (every factor in [1, e^80]). Row block
-    // I sums over the key blocks J <= I: rows = e^(G_r - G_aI) sum_J e^(G_aI - G_aJ) (X_IJ Cc_J), the per-column
-    // factors applied to the FP32 accumulator between the blocks' products as the steps e^(G_16J - G_16(J-1))
-    // (Horner): each Cc row is staged once, and each step lies in [e^-80, 1].
+    // ---- B4 (per-block anchors): every key and query row anchored at its own 16-row block's first row a ----
+    // Cc = K o e^(G_a - G) (the rows' keys, factors in [1, e^80]); K o e^(G - G_a) and Q o e^(G - G_a) (the columns'
+    // queries, in [e^-80, 1]); staged at once in B4''s places, so the rows and the columns follow without a barrier.
     for (int p = tid; p < C * (D / 2); p += NT) {
       const int j = p >> 6, d = (p & 63) * 2, a = j & ~15;  // a warp's 32 pieces share j
-      const float2 kk = ld2<128>(B16(B_K), j, d);
-      st2<128>(B16(B_CCH), B16(B_CCL), j, d, kk.x * fexp(sG[f32_at<true>(a, d)] - sG[f32_at<true>(j, d)]),
-               kk.y * fexp(sG[f32_at<true>(a, d + 1)] - sG[f32_at<true>(j, d + 1)]));
+      const float2 ga = ld2_f32<true>(sG, a, d), gj = ld2_f32<true>(sG, j, d);
+      const float2 kk = ld2<128>(B16(B_K), j, d), qq = ld2<128>(B16(B_Q), j, d);
+      const float u0 = fexp(ga.x - gj.x), u1 = fexp(ga.y - gj.y);
+      const float w0 = fexp(gj.x - ga.x), w1 = fexp(gj.y - ga.y);
+      st2<128>(B16(O_CCH), B16(O_CCL), j, d, kk.x * u0, kk.y * u1);
+      st2<128>(B16(O_KRH), B16(O_KRL), j, d, kk.x * w0, kk.y * w1);
+      st2<128>(B16(O_QRH), B16(O_QRL), j, d, qq.x * w0, qq.y * w1);
     }
     __syncthreads();
     // acc o= e^(G_16J - G_16(J-1)) per column (J = 1 .. 3)
@@ -1516,84 +1509,43 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         for (int e = 0; e < 4; ++e) acc[0][ni][e] *= (e & 1) ? s2.y : s2.x;
       }
     };
-    {
-      const int I = warp & 3;
-      float acc[1][NT128][4];
-      auto rows = [&](const bf16* xh, const bf16* xl) {
-        zero(acc);
-        for (int J = 0; J <= I; ++J) {
-          if (J > 0) step(acc, J);
-          wgemm<1, NT128, 64, false, true, 128, true, true>(acc, xh, xl, m0, 16 * J, B16(B_CCH), B16(B_CCL), n128,
-                                                           16 * J, 16, lane);
-        }
-      };
-      rows(B16(B_SDAH), B16(B_SDAL));
-      add_pairwise_rows(acc, 16 * I, dQg, B16(B_Q));
-      store_dq();
-      rows(B16(B_DPH), B16(B_DPL));
-      add_pairwise_rows(acc, 16 * I, dKg, B16(B_K));
-    }
-    __syncthreads();
-    // ---- pairwise columns: col = cols(dP, k) + cols(s dAqk, q) ----
-    // The query rows i of block I anchored at its first row: K o e^(G_i - G_aI), Q likewise (factors in [e^-80, 1]).
-    for (int p = tid; p < C * D / 2; p += NT) {
-      const int r = p >> 6, d = (p & 63) * 2;
-      const int ar = r & ~15;
-      const float e0 = fexp(sG[f32_at<true>(r, d)] - sG[f32_at<true>(ar, d)]);
-      const float e1 = fexp(sG[f32_at<true>(r, d + 1)] - sG[f32_at<true>(ar, d + 1)]);
-      const float2 kk = ld2<128>(B16(B_K), r, d), qq = ld2<128>(B16(B_Q), r, d);
-      st2<128>(B16(B_KRH), B16(B_KRL), r, d, kk.x * e0, kk.y * e1);
-      st2<128>(B16(B_QRH), B16(B_QRL), r, d, qq.x * e0, qq.y * e1);
-    }
-    __syncthreads();
-    const int J = warp & 3;
-    // part += the products of query block I for the key rows mr .. mr + 15
-    auto cols_product = [&](float (&part)[1][NT128][4], int mr, int I) {
-      wgemm<1, NT128, 64, true, true, 128, true, true>(part, B16(B_DPH), B16(B_DPL), mr, 16 * I, B16(B_KRH), B16(B_KRL),
-                                                   n128, 16 * I, 16, lane);
-      wgemm<1, NT128, 64, true, true, 128, true, true>(part, B16(B_SDAH), B16(B_SDAL), mr, 16 * I, B16(B_QRH),
-                                                   B16(B_QRL), n128, 16 * I, 16, lane);
-    };
-    // Row block J's keys: z = e^(G_aJ - G_r) sum_{I >= J} e^(G_aI - G_aJ) part_I, by Horner from the last query block
-    // down (the same steps). Row block 3 also forms row block 0's block I = 3 (scaled by e^(G_48 - G_r) per element)
-    // and hands it over through shared memory, added after the barrier: 3, 3, 2, 2 blocks per row block.
-    {
-      float part[1][NT128][4];
-      zero(part);
-      const int last = J == 0 ? 2 : 3;
-      for (int I = last; I >= J; --I) {
-        if (I < last) step(part, I + 1);
-        cols_product(part, m0, I);
+    // Row block I's rows meet the key blocks J <= I and its keys the query blocks J >= I: I + 1 and 4 - I blocks,
+    // 5 for every warp, so the SM's four sub-partitions (row block = warp & 3) carry equal work.
+    const int I = warp & 3;
+    float acc[1][NT128][4];
+    // rows = e^(G_r - G_aI) sum_(J <= I) e^(G_aI - G_aJ) (X_IJ Cc_J): the per-column factors applied to the FP32
+    // accumulator between the key blocks' products (Horner, each step in [e^-80, 1])
+    auto rows = [&](const bf16* xh, const bf16* xl) {
+      zero(acc);
+      for (int J = 0; J <= I; ++J) {
+        if (J > 0) step(acc, J);
+        wgemm<1, NT128, 64, false, true, 128, true, true>(acc, xh, xl, m0, 16 * J, B16(O_CCH), B16(O_CCL), n128, 16 * J,
+                                                         16, lane);
       }
-#pragma unroll
-      for (int ni = 0; ni < NT128; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-          add_z(ni, e, r, cc, part[0][ni][e] * fexp(sG[f32_at<true>(16 * J, cc)] - sG[f32_at<true>(r, cc)]));
-        }
+    };
+    rows(B16(B_SDAH), B16(B_SDAL));
+    add_pairwise_rows(acc, 16 * I, dQg, B16(B_Q));
+    store_dq();
+    rows(B16(B_DPH), B16(B_DPL));
+    add_pairwise_rows(acc, 16 * I, dKg, B16(B_K));
+    // columns: z = e^(G_aI - G_r) sum_(J >= I) e^(G_aJ - G_aI) (dP^T (K o e^(G - G_aJ)) + s dAqk^T (Q o e^(G - G_aJ)))_J,
+    // by Horner from the last query block down (the same steps), one exponential per element at the end
+    zero(acc);
+    for (int J = 3; J >= I; --J) {
+      if (J < 3) step(acc, J + 1);
+      wgemm<1, NT128, 64, true, true, 128, true, true>(acc, B16(B_DPH), B16(B_DPL), m0, 16 * J, B16(O_KRH), B16(O_KRL),
+                                                   n128, 16 * J, 16, lane);
+      wgemm<1, NT128, 64, true, true, 128, true, true>(acc, B16(B_SDAH), B16(B_SDAL), m0, 16 * J, B16(O_QRH), B16(O_QRL),
+                                                   n128, 16 * J, 16, lane);
     }
-    float* sZ = reinterpret_cast<float*>(smem + B_Z) + cg * (4 * NT128 * 32) + lane;
-    if (J == 3) {
-      float part[1][NT128][4];
-      zero(part);
-      cols_product(part, 0, 3);
 #pragma unroll
-      for (int ni = 0; ni < NT128; ++ni)
+    for (int ni = 0; ni < NT128; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-          sZ[32 * (4 * ni + e)] = part[0][ni][e] * fexp(sG[f32_at<true>(48, cc)] - sG[f32_at<true>(r, cc)]);
-        }
-    }
-    __syncthreads();
-    if (J == 0) {
-#pragma unroll
-      for (int ni = 0; ni < NT128; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          add_z(ni, e, m0 + g4 + 8 * (e >> 1), n128 + 8 * ni + 2 * l4 + (e & 1), sZ[32 * (4 * ni + e)]);
-    }
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        add_z(ni, e, r, cc, acc[0][ni][e] * fexp(sG[f32_at<true>(16 * I, cc)] - sG[f32_at<true>(r, cc)]));
+      }
+    __syncthreads();  // B5's dG tile lies over K o e^(G - G_a)
   }
   epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
     if (r < nrows) *reinterpret_cast<uint32_t*>(dk + base + r * gs + cc) = pack_bf16(x0, x1);
