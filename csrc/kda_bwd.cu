@@ -159,9 +159,6 @@ __device__ __forceinline__ void load_f32_swz(float* dst, const float* src, int64
   load_rows<NT, C, D / 4>(dst, D, src, gstride, nvalid, tid, [](int r, int c) { return f32_at<true>(r, c); });
 }
 
-// Cc section of anchor block I starts at this row (section I holds rows 0 .. 16 I + 15).
-__device__ __forceinline__ int cc_sec(int I) { return I * (I + 1) * 8; }
-
 // rs[e2]: this lane's partial sums of rows g4 + 8 e2 of an m16 tile; the four lanes of a row add theirs
 // (fixed order) and dst[row0 + row] receives the total.
 __device__ __forceinline__ void store_row_sums(float* dst, int row0, const float (&rs)[2], int lane) {
@@ -754,7 +751,7 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
 // chunk gradients
 // ================================================================================================
 // Precision (docs/kernels.md §5): the products take V_new and dV_new, the phase-B operands (dW, K o e^G, dA, A^T dA,
-// dP, s dAqk), the anchored pairwise operands (the Cc sections, the K and Q row operands) and dS in dKg as bf16 hi + lo
+// dP, s dAqk), the anchored pairwise operands (Cc, the K and Q row operands) and dS in dKg as bf16 hi + lo
 // pairs (three products: wgemm's and wg_gemm's SA / SB), S and A as hi only (one). Chosen on the CPU emulation against
 // FP64 (each pair dropped raised dq / dk by ~40 %, dg tenfold or dk / dv threefold; pairs of S and A changed nothing
 // visible) and on the H200 (V_new / dV_new hi only is 6 % faster, but W = 2 and W = 1 then differ by 2.3e-3 on dbeta,
@@ -792,15 +789,9 @@ constexpr int B_P = 0;        // P staged, fp32 [64][kPLd] (B3)
 constexpr int kPLd = 72;      // padded rows: B3's float2 reads in the accumulator pattern hit distinct banks
 constexpr int B_DPH = 196608; // dP, sw64 (B3 to the pairwise columns; over the dgamma partials)
 constexpr int B_DPL = 204800;
-constexpr int B_CCH = 49152;  // Cc sections (160 rows, sw128; B4, over X, A, dA, T1)
-constexpr int B_CCL = 90112;
-constexpr int B_KRH = 0;      // anchored column operands (pairwise columns)
-constexpr int B_KRL = 16384;
-constexpr int B_QRH = 49152;
-constexpr int B_QRL = 65536;
-constexpr int B_Z = 81920;    // fp32 [CG][4 NT128][32 lanes]: row block 0's last column block (pairwise columns)
 constexpr int B_DG = 0;       // fp32 [64][128] dG staging (B5)
-// B4' (one-anchor chunks): its operands, swh tiles over the dead phase-B tiles, clear of s dAqk, dP, G, q and k
+// B4' (one-anchor chunks): its operands, swh tiles over the dead phase-B tiles, clear of s dAqk, dP, G, q and k;
+// B4 (per-block anchors) stages its three operand pairs in the same places (sw128)
 constexpr int O_KRH = 0;      // K o e^(G - G_63)
 constexpr int O_KRL = 16384;
 constexpr int O_CCH = 49152;  // K o e^(G_0 - G)
@@ -822,12 +813,9 @@ constexpr int S_BETA = 212992;          // fp32 [64]
 constexpr int S_DGAM = S_BETA + 256;    // fp32 [128]
 constexpr int S_CS = S_DGAM + 512;      // fp32 [4][128]
 constexpr int S_DB = S_CS + 2048;       // fp32 [4 CG][64] partial row sums for dbeta
-constexpr int S_CF = S_DB + 4 * 4 * C * 4;  // fp32 [3][128] exp(G_16I - G_16(I-1)), I = 1..3: the Cc sections' step
+constexpr int S_CF = S_DB + 4 * 4 * C * 4;  // fp32 [3][128] exp(G_16I - G_16(I-1)), I = 1..3: B4's steps
                                             // (B3-B4); before and after, the row scans' block totals (RowBlocks)
-static_assert(B_CCL + 160 * D * 2 <= B_G && B_CCH + 160 * D * 2 <= B_CCL, "Cc sections overflow");
 static_assert(B_P + C * kPLd * 4 <= B_SDAH, "staged P overflows");
-// z hand-over: CG x 4 NT128 x 32 floats = 4 x 16 x 32 (CG NT128 = 16 for either tiling)
-static_assert(B_Z >= B_QRL + C * D * 2 && B_Z + 4 * 16 * 32 * 4 <= B_G, "z hand-over overlaps the column operands or G");
 
 // Warp tiling of the gradient kernel: NW warps = 4 row blocks of 16 x CG column groups. Each warp owns
 // 16 rows x (128 / CG) columns of the 64 x 128 accumulators; more warps, fewer registers per thread.
@@ -1497,80 +1485,67 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         add_z(ni, e, r, cc, acc[0][ni][e] * fexp_ftz(sG[f32_at<true>(63, cc)] - sG[f32_at<true>(r, cc)]));
       }
   } else {
-    // ---- B4: pairwise rows: row_q = rows(s dAqk, k), row_k = rows(dP, k) ----
-    // Section I holds K_j exp(G_a - G_j) for the rows j <= 16 I + 15, anchored at a = 16 I. Row j of block b = j / 16
-    // is formed with one exponential in section b and carried into sections b + 1 .. 3 by their steps
-    // exp(G_16I - G_16(I-1)): 64 exponentials per column instead of 160 (the staging was issue-bound on MUFU).
+    // ---- B4 (per-block anchors): every key and query row anchored at its own 16-row block's first row a ----
+    // Cc = K o e^(G_a - G) (the rows' keys, factors in [1, e^80]); K o e^(G - G_a) and Q o e^(G - G_a) (the columns'
+    // queries, in [e^-80, 1]); staged at once in B4''s places, so the rows and the columns follow without a barrier.
     for (int p = tid; p < C * (D / 2); p += NT) {
-      const int j = p >> 6, d = (p & 63) * 2, b = j >> 4;  // a warp's 32 pieces share j, so b is warp-uniform
-      const float2 kk = ld2<128>(B16(B_K), j, d);
-      float v0 = kk.x * fexp(sG[f32_at<true>(16 * b, d)] - sG[f32_at<true>(j, d)]);
-      float v1 = kk.y * fexp(sG[f32_at<true>(16 * b, d + 1)] - sG[f32_at<true>(j, d + 1)]);
-      st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(b) + j, d, v0, v1);
-      for (int I = b + 1; I < 4; ++I) {
-        const float2 f = *reinterpret_cast<const float2*>(sCF + (I - 1) * D + d);
-        v0 *= f.x;
-        v1 *= f.y;
-        st2<128>(B16(B_CCH), B16(B_CCL), cc_sec(I) + j, d, v0, v1);
+      const int j = p >> 6, d = (p & 63) * 2, a = j & ~15;  // a warp's 32 pieces share j
+      const float2 ga = ld2_f32<true>(sG, a, d), gj = ld2_f32<true>(sG, j, d);
+      const float2 kk = ld2<128>(B16(B_K), j, d), qq = ld2<128>(B16(B_Q), j, d);
+      const float u0 = fexp(ga.x - gj.x), u1 = fexp(ga.y - gj.y);
+      const float w0 = fexp(gj.x - ga.x), w1 = fexp(gj.y - ga.y);
+      st2<128>(B16(O_CCH), B16(O_CCL), j, d, kk.x * u0, kk.y * u1);
+      st2<128>(B16(O_KRH), B16(O_KRL), j, d, kk.x * w0, kk.y * w1);
+      st2<128>(B16(O_QRH), B16(O_QRL), j, d, qq.x * w0, qq.y * w1);
+    }
+    __syncthreads();
+    // acc o= e^(G_16J - G_16(J-1)) per column (J = 1 .. 3)
+    auto step = [&](float (&acc)[1][NT128][4], int J) {
+      const float* f = sCF + (J - 1) * D;
+#pragma unroll
+      for (int ni = 0; ni < NT128; ++ni) {
+        const float2 s2 = *reinterpret_cast<const float2*>(f + n128 + 8 * ni + 2 * l4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][ni][e] *= (e & 1) ? s2.y : s2.x;
       }
-    }
-    __syncthreads();
-    {
-      const int I = warp & 3;
-      const bf16* cch = B16(B_CCH) + cc_sec(I) * D;
-      const bf16* ccl = B16(B_CCL) + cc_sec(I) * D;
-      float acc[1][NT128][4];
-      zero(acc);
-      wgemm<1, NT128, 64, false, true, 128, true, true>(acc, B16(B_SDAH), B16(B_SDAL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
-      add_pairwise_rows(acc, 16 * I, dQg, B16(B_Q));
-      store_dq();
-      zero(acc);
-      wgemm<1, NT128, 64, false, true, 128, true, true>(acc, B16(B_DPH), B16(B_DPL), m0, 0, cch, ccl, n128, 0, 16 * (I + 1), lane);
-      add_pairwise_rows(acc, 16 * I, dKg, B16(B_K));
-    }
-    __syncthreads();
-    // ---- pairwise columns: col = cols(dP, k) + cols(s dAqk, q) ----
-    for (int p = tid; p < C * D / 2; p += NT) {
-      const int r = p >> 6, d = (p & 63) * 2;
-      const int ar = r & ~15;
-      const float e0 = fexp(sG[f32_at<true>(r, d)] - sG[f32_at<true>(ar, d)]);
-      const float e1 = fexp(sG[f32_at<true>(r, d + 1)] - sG[f32_at<true>(ar, d + 1)]);
-      const float2 kk = ld2<128>(B16(B_K), r, d), qq = ld2<128>(B16(B_Q), r, d);
-      st2<128>(B16(B_KRH), B16(B_KRL), r, d, kk.x * e0, kk.y * e1);
-      st2<128>(B16(B_QRH), B16(B_QRL), r, d, qq.x * e0, qq.y * e1);
-    }
-    __syncthreads();
-    const int J = warp & 3;
-    // z of block I (the tokens 16 I ..) for the rows mr .. mr + 15: each element to f(ni, e, r, cc, z)
-    auto cols_block = [&](int mr, int I, auto&& f) {
-      float part[1][NT128][4];
-      zero(part);
-      wgemm<1, NT128, 64, true, true, 128, true, true>(part, B16(B_DPH), B16(B_DPL), mr, 16 * I, B16(B_KRH), B16(B_KRL), n128,
-                                                   16 * I, 16, lane);
-      wgemm<1, NT128, 64, true, true, 128, true, true>(part, B16(B_SDAH), B16(B_SDAL), mr, 16 * I, B16(B_QRH), B16(B_QRL),
-                                                   n128, 16 * I, 16, lane);
-#pragma unroll
-      for (int ni = 0; ni < NT128; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = mr + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-          f(ni, e, r, cc, part[0][ni][e] * fexp(sG[f32_at<true>(16 * I, cc)] - sG[f32_at<true>(r, cc)]));
-        }
     };
-    // Row block J takes the blocks I = J .. 3 (4, 3, 2, 1 of them); row block 3 also forms row block 0's
-    // block I = 3 and hands its z over through shared memory, added after the barrier in the same place of
-    // the sum: 3, 3, 2, 2 blocks, the same bits.
-    float* sZ = reinterpret_cast<float*>(smem + B_Z) + cg * (4 * NT128 * 32) + lane;
-    for (int I = J; I < (J == 0 ? 3 : 4); ++I) cols_block(m0, I, add_z);
-    if (J == 3) cols_block(0, 3, [&](int ni, int e, int, int, float z) { sZ[32 * (4 * ni + e)] = z; });
-    __syncthreads();
-    if (J == 0) {
-#pragma unroll
-      for (int ni = 0; ni < NT128; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          add_z(ni, e, m0 + g4 + 8 * (e >> 1), n128 + 8 * ni + 2 * l4 + (e & 1), sZ[32 * (4 * ni + e)]);
+    // Row block I's rows meet the key blocks J <= I and its keys the query blocks J >= I: I + 1 and 4 - I blocks,
+    // 5 for every warp, so the SM's four sub-partitions (row block = warp & 3) carry equal work.
+    const int I = warp & 3;
+    float acc[1][NT128][4];
+    // rows = e^(G_r - G_aI) sum_(J <= I) e^(G_aI - G_aJ) (X_IJ Cc_J): the per-column factors applied to the FP32
+    // accumulator between the key blocks' products (Horner, each step in [e^-80, 1])
+    auto rows = [&](const bf16* xh, const bf16* xl) {
+      zero(acc);
+      for (int J = 0; J <= I; ++J) {
+        if (J > 0) step(acc, J);
+        wgemm<1, NT128, 64, false, true, 128, true, true>(acc, xh, xl, m0, 16 * J, B16(O_CCH), B16(O_CCL), n128, 16 * J,
+                                                         16, lane);
+      }
+    };
+    rows(B16(B_SDAH), B16(B_SDAL));
+    add_pairwise_rows(acc, 16 * I, dQg, B16(B_Q));
+    store_dq();
+    rows(B16(B_DPH), B16(B_DPL));
+    add_pairwise_rows(acc, 16 * I, dKg, B16(B_K));
+    // columns: z = e^(G_aI - G_r) sum_(J >= I) e^(G_aJ - G_aI) (dP^T (K o e^(G - G_aJ)) + s dAqk^T (Q o e^(G - G_aJ)))_J,
+    // by Horner from the last query block down (the same steps), one exponential per element at the end
+    zero(acc);
+    for (int J = 3; J >= I; --J) {
+      if (J < 3) step(acc, J + 1);
+      wgemm<1, NT128, 64, true, true, 128, true, true>(acc, B16(B_DPH), B16(B_DPL), m0, 16 * J, B16(O_KRH), B16(O_KRL),
+                                                   n128, 16 * J, 16, lane);
+      wgemm<1, NT128, 64, true, true, 128, true, true>(acc, B16(B_SDAH), B16(B_SDAL), m0, 16 * J, B16(O_QRH), B16(O_QRL),
+                                                   n128, 16 * J, 16, lane);
     }
+#pragma unroll
+    for (int ni = 0; ni < NT128; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        add_z(ni, e, r, cc, acc[0][ni][e] * fexp(sG[f32_at<true>(16 * I, cc)] - sG[f32_at<true>(r, cc)]));
+      }
+    __syncthreads();  // B5's dG tile lies over K o e^(G - G_a)
   }
   epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
     if (r < nrows) *reinterpret_cast<uint32_t*>(dk + base + r * gs + cc) = pack_bf16(x0, x1);
