@@ -9,7 +9,9 @@ run on such an arena (``kda_kcp.sizing.arena_parts``), so the size and the carve
 
 A carve is one ``torch.as_strided`` of a typed view of the buffer (the views are kept per dtype, and a
 workspace keeps them across calls): on the H200 machine's host a slice and two views took ~9 us per carve,
-paid before the first kernel of a call can start.
+paid before the first kernel of a call can start. A workspace keeps the carves too, per (offset, shape, dtype): a
+call of a shape seen before gets the same tensors back (they view the same bytes; a carve is scratch, written
+before it is read in every call) for a dictionary lookup.
 """
 
 from __future__ import annotations
@@ -41,16 +43,17 @@ def contiguous_strides(shape: tuple) -> tuple:
 
 
 _META = torch.device("meta")
+_MOST_CARVES = 1024  # carves kept per workspace range (a new shape's carves replace them all past this)
 
 
 class Arena:
     def __init__(self, buffer: torch.Tensor | None, device, what: str = "the CUDA backend's scratch",
                  views: dict | None = None):
         """``device``: the device the call runs on (its tables and kernels). ``views``: a dict the typed views of
-        ``buffer`` are kept in (a workspace passes its own, so they outlive the call); one of this arena's own
-        otherwise."""
+        ``buffer`` and its carves are kept in (a workspace passes its own, so they outlive the call); one of this
+        arena's own otherwise."""
         self.buffer = buffer
-        self.device = torch.device(device)
+        self.device = device if type(device) is torch.device else torch.device(device)
         self.what = what
         self.offset = 0
         self.peak = 0
@@ -75,25 +78,51 @@ class Arena:
         return self._views[dtype]
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        shape = tuple(int(s) for s in shape)
         if self.buffer is None:
+            shape = tuple(int(s) for s in shape)
             if not self.counting:
                 return torch.empty(shape, dtype=dtype, device=self.device)
             self.offset += tensor_bytes(shape, dtype)
             self.peak = max(self.peak, self.offset)
             return torch.empty(shape, dtype=dtype, device=_META)
-        n = tensor_bytes(shape, dtype)
-        end = self.offset + n
-        if end > self.buffer.numel():
-            raise ValueError(
-                f"workspace too small for {self.what}: needs at least {end} bytes of arena, has "
-                f"{self.buffer.numel()}; size it with kda_workspace_bytes_kcp(ctx, num_heads, ...) for this context"
-            )
-        view, base = self._typed(dtype)  # the carve starts ALIGN-aligned: its offset is whole elements
-        t = torch.as_strided(view, shape, contiguous_strides(shape), base + self.offset // dtype.itemsize)
+        # the carves are kept for shapes given as tuples of ints (hashable, and equal only to the same shape)
+        key = (self.offset, shape, dtype) if type(shape) is tuple and all(type(s) is int for s in shape) else None
+        kept = self._views.get(key) if key is not None else None
+        if kept is not None:
+            t, end = kept
+        else:
+            shape = tuple(int(s) for s in shape)
+            end = self.offset + tensor_bytes(shape, dtype)
+            if end > self.buffer.numel():
+                raise ValueError(
+                    f"workspace too small for {self.what}: needs at least {end} bytes of arena, has "
+                    f"{self.buffer.numel()}; size it with kda_workspace_bytes_kcp(ctx, num_heads, ...) for this "
+                    "context"
+                )
+            view, base = self._typed(dtype)  # the carve starts ALIGN-aligned: its offset is whole elements
+            t = torch.as_strided(view, shape, contiguous_strides(shape), base + self.offset // dtype.itemsize)
+            if key is not None:
+                if len(self._views) > _MOST_CARVES:
+                    self._views.clear()
+                self._views[key] = (t, end)
         self.offset = end
-        self.peak = max(self.peak, end)
+        if end > self.peak:
+            self.peak = end
         return t
+
+    def rows(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """``t[start:stop]``, kept with the carves (the entry holds ``t``, so its id names no other tensor while
+        kept): a launch that takes row ranges of a carve or of a cached table makes each view once per workspace
+        and shape, not once per call."""
+        key = ("rows", id(t), start, stop)
+        kept = self._views.get(key)
+        if kept is not None:
+            return kept[1]
+        view = t[start:stop]
+        if len(self._views) > _MOST_CARVES:
+            self._views.clear()
+        self._views[key] = (t, view)
+        return view
 
     def mark(self) -> int:
         return self.offset

@@ -63,8 +63,10 @@ class Backend(Protocol):
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
         """Put every index table a call of ``ctx`` at ``num_heads`` reads on ``device`` now."""
 
-    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False):
-        """One forward call's records: ``.summaries(run_ids, arena)``, ``.output(state_in)``, ``.reserve_early()``."""
+    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False, lead=False):
+        """One forward call's records: ``.summaries(run_ids, arena)``, ``.output(state_in)``, ``.reserve_early()``.
+        ``output_next``: ``output`` is the next step (no summaries, no exchange first); ``lead``: and the caller
+        launches nothing before it, so the records ``output`` would make first may be made now."""
 
     def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None):
         """One backward call's records: ``.summaries(run_ids, arena)``, ``.grads(state_in, dstate_out)``."""

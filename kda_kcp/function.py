@@ -76,15 +76,24 @@ def check_saved(saved, ctx) -> None:
         )
 
 
-def _workspace_need(ctx, H, backend, device, K, V, dt, passes) -> int:
-    """``workspace_bytes`` of one call, cached in the context's local plan: summing the carves walks every table
-    of the call (~100 us of host time before the first kernel could start), and it is a pure function of the key
-    (the backend names the knobs its tables depend on)."""
-    key = ("workspace_bytes", H, backend.name, str(device), K, V, dt, passes, backend.table_knobs())
+def _workspace_layout(ctx, H, backend, device, K, V, dt, passes) -> tuple[int, int, int]:
+    """(``workspace_bytes``, the exchange's elements, the arena's first byte) of one call, cached in the context's
+    local plan: summing the carves walks every table of the call (~100 us of host time before the first kernel
+    could start), and all three are pure functions of the key (the backend names the knobs its tables depend
+    on)."""
+    key = ("workspace_bytes", H, backend.name, device, K, V, dt, passes, backend.table_knobs())
     cache = ctx.local._tables
-    if key not in cache:
-        cache[key] = workspace_bytes(ctx, H, backend, device, K, V, dt, passes)
-    return cache[key]
+    layout = cache.get(key)
+    if layout is None:
+        numel = exchange_elements(ctx, H, K, V)
+        layout = cache[key] = (workspace_bytes(ctx, H, backend, device, K, V, dt, passes), numel,
+                               aligned(numel * dt.itemsize))
+    return layout
+
+
+def _workspace_need(ctx, H, backend, device, K, V, dt, passes) -> int:
+    """``workspace_bytes`` of one call (cached: ``_workspace_layout``)."""
+    return _workspace_layout(ctx, H, backend, device, K, V, dt, passes)[0]
 
 
 def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
@@ -92,21 +101,17 @@ def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     here, before any kernel runs."""
     if workspace is None:
         return None, (Arena(None, device) if backend.uses_arena else None)
-    need = _workspace_need(ctx, H, backend, device, K, V, dt, workspace.lean_passes)
+    need, numel, start = _workspace_layout(ctx, H, backend, device, K, V, dt, workspace.lean_passes)
     if workspace.nbytes < need:
         raise ValueError(
             f"workspace too small: this call needs {need} bytes, the workspace has {workspace.nbytes}; size "
             "it with kda_workspace_bytes_kcp(ctx, num_heads, ...) for this context"
         )
-    if workspace.buffer.device != torch.device(device):
+    if workspace.buffer.device != device:
         raise ValueError(f"workspace is on {workspace.buffer.device} but the inputs are on {device}")
     workspace.begin_use()  # ordered after its previous use on another stream
-    numel = exchange_elements(ctx, H, K, V)
     xbuf = workspace.take(numel, dt, device, "the KCP exchange") if numel else None
-    arena = None
-    if backend.uses_arena:
-        start = aligned(numel * dt.itemsize)
-        arena = workspace.arena(start, need, device)
+    arena = workspace.arena(start, need, device) if backend.uses_arena else None
     return xbuf, arena
 
 
@@ -187,7 +192,9 @@ def _not_differentiable(grads, sources):
 # Why two: a non-reentrant torch.utils.checkpoint recomputation stops as soon as the tensors the backward saved
 # are back (torch's early stop, on by default). They are all saved by KdaKcpInputs, before the output pass, so
 # when nothing later in the checkpointed region saved o, the recomputation never runs the output pass (at
-# W = 1 it runs no kernel at all); when something did, it runs on and o is recomputed as before.
+# W = 1 it runs no kernel at all: the first step makes the records only outside a backward pass, so that a plain
+# forward's first kernel starts before the second node is built); when something did, it runs on and o is
+# recomputed as before.
 # Neither node materializes absent output gradients: an unused o or final state costs no zeros.
 
 

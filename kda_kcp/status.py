@@ -121,10 +121,12 @@ def _key(device) -> torch.device:
 
 
 def _status(device) -> _Status:
-    key = _key(device)
-    st = _STATUS.get(key)
+    st = _STATUS.get(device)  # a device with its index, as the calls pass it (the others are normalized first)
     if st is None:
-        st = _STATUS[key] = _Status(key)
+        key = _key(device)
+        st = _STATUS.get(key)
+        if st is None:
+            st = _STATUS[key] = _Status(key)
     return st
 
 
@@ -188,7 +190,7 @@ def _message(code: int, device, issued: str) -> str:
 def pending_error(device) -> str | None:
     """The start of a call on ``device``: the message of a set status word that a completed copy shows (the word is
     reset then), or None. Never waits: a copy still in flight is looked at by a later call."""
-    st = device if isinstance(device, _Status) else _STATUS.get(_key(device))
+    st = device if isinstance(device, _Status) else _STATUS.get(device) or _STATUS.get(_key(device))
     if st is None or _capturing(st):
         return None
     code = st.completed() if st.cuda else int(st.word[0])  # (off CUDA the emulated kernels ran synchronously)

@@ -138,19 +138,20 @@ def in_backward() -> bool:
 
 
 class ForwardCall:
-    """One forward call in two steps, its checks passed. Making it: when the plan exchanges (W > 1 with a document
-    crossing a piece), the chunk records, this rank's summaries, the all-gather and the merge into each run's
+    """One forward call in two steps, its checks passed. Making it: the chunk records; when the plan exchanges (W > 1
+    with a document crossing a piece), then this rank's summaries, the all-gather and the merge into each run's
     incoming state (``saved.state_in``; with initial states the folds start from them). ``finish``: the records if
     the first step made none, then the output pass (and the final states when asked for). Inputs are read, never
     written."""
 
     @_without_autocast
     def __init__(self, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace=None,
-                 walk_early=None, initial_state=None, output_final_state=False):
+                 walk_early=None, initial_state=None, output_final_state=False, records_now=None):
         """``dt``: the states' dtype; ``xbuf``: the exchange buffer (None: allocated); ``arena``: the backend's
         scratch (None: allocated); ``walk_early``: whether the runs whose document starts here may be walked beside
         the exchange (None: unless this runs inside a backward pass; never with initial states, which those runs
-        start from)."""
+        start from); ``records_now``: whether a call without exchange makes its records here rather than in
+        ``finish`` (None: unless this runs inside a backward pass)."""
         self.backend, self.arena = backend, arena
         plan, local = ctx.plan, ctx.local
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
@@ -176,6 +177,16 @@ class ForwardCall:
             _exchange_and_merge(ctx, self.prepared.summaries, plan.fwd_publish, plan.fwd_slots, plan.fwd_sources, q,
                                 v, dt, xbuf, self.arena, state_in, after_summaries=early, init=initial_state,
                                 docs=self.docs)
+        else:
+            # Nothing to exchange: the records (the prep, the call's first kernel) are made here, so the GPU starts
+            # while the host still builds the autograd nodes around the call. Not in a checkpoint's recomputation:
+            # it may stop before ``finish`` (torch's early stop), and then runs no kernel at all. With run groups,
+            # the first group's records too, unless ``finish`` launches something first (the initial states' rows).
+            if records_now is None:
+                records_now = not in_backward()
+            if records_now:
+                self.prepared = self.backend.fwd_prepare(q, k, v, g, beta, scale, local, self.arena, output_next=True,
+                                                         lead=initial_state is None)
         self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, initial_state,
                               bool(output_final_state))
         self.saved.record_versions()  # the saved tensors are references: the backward checks they are unchanged
@@ -229,5 +240,5 @@ def run_backward(backend, do, saved, ctx, dt, xbuf, arena, passes, workspace, dh
     grads = prepared.grads(saved.incoming_states(docs, dt), dstate_out)
     if workspace is not None:
         workspace.end_use()
-    grads = tuple(gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
+    grads = tuple(gr if gr.dtype == x.dtype else gr.to(x.dtype) for gr, x in zip(grads, (q, k, v, g, beta)))
     return grads if h0 is None else (*grads, dh0)

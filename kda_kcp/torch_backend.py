@@ -154,7 +154,7 @@ class TorchBackend:
         if msg is not None:
             raise ValueError(msg)
 
-    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False):
+    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False, lead=False):
         return _Prepared(
             lambda ids, arena=None: self.fwd_summaries(q, k, v, g, beta, scale, plan, ids),
             lambda state_in: self.fwd_output(q, k, v, g, beta, scale, plan, state_in),

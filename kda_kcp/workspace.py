@@ -239,13 +239,16 @@ class WorkspaceKcp:
         return self.buffer[:need].view(dtype)
 
     def arena(self, start: int, end: int, device) -> Arena:
-        """An empty ``Arena`` over bytes [start, end) of the buffer. The slice and its typed views are kept
-        per (start, end), so a call makes no view of the buffer after the first call of its shape."""
+        """An empty ``Arena`` over bytes [start, end) of the buffer. The slice, its typed views and the carves are
+        kept per (start, end) (for the last 64 of them), so a call makes no view of the buffer after the first
+        call of its shape."""
         owner, cache = self.__dict__.get("_arenas", (None, None))
         if owner is not self.buffer:  # made for another buffer (or none yet)
             cache = {}
             self._arenas = (self.buffer, cache)
         if (start, end) not in cache:
+            if len(cache) >= 64:
+                cache.clear()
             cache[(start, end)] = (self.buffer[start:end], {})
         base, views = cache[(start, end)]
         return Arena(base, device, views=views)

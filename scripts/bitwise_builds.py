@@ -14,6 +14,10 @@ kda_kcp (and so its programs) from DIR, e.g. a baseline tree for the save and th
 
     python scripts/bitwise_builds.py save /tmp/act.pt --heads 16 --activations --checkout /path/to/base
     python scripts/bitwise_builds.py cmp /tmp/act.pt --heads 16 --activations
+
+--workspace runs the step through a WorkspaceKcp (the benchmark's call) three times on one workspace, checks the
+three agree and saves or compares the last: a change to the host path (the carves and views a workspace keeps, the
+streams of the launches) is checked bitwise the same way.
 """
 
 import argparse
@@ -32,6 +36,31 @@ def step(H, docs):
 
     torch.manual_seed(0)
     return dict(zip(NAMES, run_step(docs, H)))
+
+
+def workspace_step(H, docs, calls=3):
+    """``step``'s inputs through the benchmark's call (a WorkspaceKcp), the step run ``calls`` times on the same
+    workspace (a later call gets the carves and views the workspace keeps); every call's results must be equal, and
+    the last call's are returned."""
+    import kda_kcp
+    from profile_step import step_inputs
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    cu, *inputs = step_inputs(docs, H, dev)
+    x = tuple(t.requires_grad_() for t in inputs)
+    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
+    ws = kda_kcp.WorkspaceKcp(ctx, H, device=dev)
+    do = None
+    results = []
+    for _ in range(calls):
+        o = kda_kcp.chunk_kda_kcp(*x, ctx, workspace=ws)
+        do = torch.randn_like(o) if do is None else do  # (drawn after the first o, as run_step draws it)
+        results.append((o.detach(), *torch.autograd.grad(o, x, do)))
+    for res in results[1:]:
+        if not all(torch.equal(a, b) for a, b in zip(res, results[0])):
+            raise SystemExit("the calls on one workspace differ from each other")
+    return dict(zip(NAMES, results[-1]))
 
 
 def activations_step(H, docs, gate):
@@ -66,6 +95,8 @@ def main():
     p.add_argument("--gate", choices=("bench", "softplus"), default="bench",
                    help="with --activations: the benchmark row's gate (lower_bound -5) or FLA's softplus gate")
     p.add_argument("--checkout", default=None, metavar="DIR", help="import kda_kcp from DIR (default: this tree)")
+    p.add_argument("--workspace", action="store_true",
+                   help="the step through a WorkspaceKcp (the benchmark's call), three times on one workspace")
     args = p.parse_args()
     # kda_kcp first, from the checkout asked for: profile_step and the benchmark then find it imported
     sys.path.insert(0, str(Path(args.checkout).resolve() if args.checkout else ROOT))
@@ -77,7 +108,10 @@ def main():
 
     docs = args.docs or list(DOCS)
     print(f"kda_kcp from {Path(kda_kcp.__file__).resolve().parent}")
-    res = activations_step(args.heads, docs, args.gate) if args.activations else step(args.heads, docs)
+    if args.activations:
+        res = activations_step(args.heads, docs, args.gate)
+    else:
+        res = workspace_step(args.heads, docs) if args.workspace else step(args.heads, docs)
     names = tuple(res)
     if args.mode == "save":
         torch.save({n: t.cpu() for n, t in res.items()}, args.path)

@@ -112,10 +112,13 @@ class CudaBackend:
                                           own_chunks=passes is not None, heads=num_heads)
 
     # one call, prepared once: the chunk records serve the KCP summaries and the local pass
-    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False) -> forward.PreparedForward:
+    def fwd_prepare(self, q, k, v, g, beta, scale, plan, arena=None, output_next=False,
+                    lead=False) -> forward.PreparedForward:
         """Called by kda_kcp.function after check_inputs has passed these tensors for this backend
-        (``output_next``: the output pass follows at once, no exchange in between)."""
-        return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena, checked=True, output_next=output_next)
+        (``output_next``: the output pass follows, no exchange in between; ``lead``: and nothing else is launched
+        before it)."""
+        return forward.PreparedForward(q, k, v, g, beta, scale, plan, arena, checked=True, output_next=output_next,
+                                       lead=lead)
 
     def bwd_prepare(self, q, k, v, g, beta, do, scale, plan, arena=None, passes=None) -> backward.PreparedBackward:
         # (called from backward_kcp only: the inputs passed check_inputs in the forward, do check_grad_output, and

@@ -221,11 +221,12 @@ class PreparedBackward:
             else:
                 mod.bwd_fwd_walk(prep, chunks, grp.fwd_pieces[p], sin, fold_in, out, h, st.walk_warps)
 
+        rec, scale, grads_warps = H * PREP_BYTES, self.scale, tuning.bwd_grads_warps()
+
         def launch_grads(ranges):
-            rec = H * PREP_BYTES
             for c0, c1 in ranges:  # views of the chunk rows, records, h and dh of one range
-                mod.bwd_grads(q, k, v, g, beta, do, chunks[c0:c1], prep[c0 * rec : c1 * rec], h[c0:c1], dh[c0:c1],
-                              dq, dk, dv, dg, dbeta, self.scale, tuning.bwd_grads_warps())
+                mod.bwd_grads(q, k, v, g, beta, do, arena.rows(chunks, c0, c1), arena.rows(prep, c0 * rec, c1 * rec),
+                              arena.rows(h, c0, c1), arena.rows(dh, c0, c1), dq, dk, dv, dg, dbeta, scale, grads_warps)
 
         pipelined_walks_and_grads(groups, launch_walk, launch_grads, self.dev)
         return grads

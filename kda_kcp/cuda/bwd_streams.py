@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import tuning
-from .common import side_streams
+from .common import CallStreams, side_streams
 
 __all__ = ["both_walks", "launch_order", "launch_waits", "pipelined_walks_and_grads", "run_in_order"]
 
@@ -27,13 +27,17 @@ def both_walks(rev_chain, fwd_chain, device) -> None:
         rev_chain()
         fwd_chain()
         return
-    main = torch.cuda.current_stream(device)
+    streams = CallStreams(device)
+    main = streams.main
     side = side_streams("bwd_side", main.device, 1)[0]
-    side.wait_stream(main)  # the records, states and buffers made so far
+    streams.join(side, main)  # the records, states and buffers made so far
     rev_chain()
-    with torch.cuda.stream(side):
+    with streams.on(side):
         fwd_chain()
-    main.wait_stream(side)  # buffers used on the side stream are freed (or reused) on main only after this
+    streams.join(main, side)  # buffers used on the side stream are freed (or reused) on main only after this
+
+
+_ORDERS: dict = {}  # id(groups) -> (groups, their launch order): the walk groups are kept per plan, so is the order
 
 
 def launch_order(groups) -> list:
@@ -43,7 +47,11 @@ def launch_order(groups) -> list:
     its pieces end (``WalkGroup.ready``); walks first on ties, the longer groups' walks first among them. The host
     enqueues a launch in ~10-20 us and the first gradients wait for nothing else, so they should not wait behind the
     later pieces of every chain (each piece's dependencies, its chain's earlier pieces, start earlier and come
-    first). A block's gradients come after both walk pieces that pass it (``launch_waits``)."""
+    first). A block's gradients come after both walk pieces that pass it (``launch_waits``). Kept per groups list
+    (the entry holds it, so its id names no other list while kept); each caller gets its own list."""
+    kept = _ORDERS.get(id(groups))
+    if kept is not None:
+        return list(kept[1])
     launches = []  # (expected start, walks before gradients, ties: longer groups' walks first, group, what, piece)
     for gi, grp in enumerate(groups):
         k = grp.pieces
@@ -51,7 +59,11 @@ def launch_order(groups) -> list:
             launches.append((grp.longest * p / k, 0, -gi, gi, "fwd", p))
             launches.append((tuning.REV_STEP_RATIO * grp.longest * p / k, 0, -gi, gi, "rev", p))
             launches.append((grp.ready[p], 1, gi, gi, "grads", p))  # (block p)
-    return [(gi, what, p) for *_, gi, what, p in sorted(launches)]
+    order = tuple((gi, what, p) for *_, gi, what, p in sorted(launches))
+    if len(_ORDERS) >= 64:
+        _ORDERS.clear()
+    _ORDERS[id(groups)] = (groups, order)
+    return list(order)
 
 
 def launch_waits(groups, gi: int, p: int) -> tuple:
@@ -72,30 +84,31 @@ def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None
     if torch.device(device).type != "cuda" or not tuning.bwd_walk_streams():
         run_in_order(groups, order, launch_walk, launch_grads)
         return
-    main = torch.cuda.current_stream(device)
+    streams = CallStreams(device)
+    main = streams.main
     walk_pool = side_streams("bwd_walks", main.device, 2 * len(groups), priority=-1)
     grads_pool = side_streams("bwd_grads", main.device, sum(grp.pieces for grp in groups))
     for s in walk_pool + grads_pool:
-        s.wait_stream(main)  # the records and buffers carved so far
+        streams.join(s, main)  # the records and buffers carved so far
     done = {}  # (group, what, piece) -> the event recorded after that walk piece
-    streams = iter(grads_pool)
+    grads_streams = iter(grads_pool)
     for gi, what, p in order:
         grp = groups[gi]
         if what == "grads":
-            s = next(streams)
+            s = next(grads_streams)
             for w in launch_waits(groups, gi, p):
-                s.wait_event(done[w])
-            with torch.cuda.stream(s):
+                done[w].wait(s)
+            with streams.on(s):
                 launch_grads(grp.blocks[p])
             continue
         stream = walk_pool[2 * gi + (0 if what == "rev" else 1)]
-        with torch.cuda.stream(stream):
+        with streams.on(stream):
             launch_walk(grp, what, p)
             ev = torch.cuda.Event()
             ev.record(stream)
             done[gi, what, p] = ev
     for s in walk_pool + grads_pool:
-        main.wait_stream(s)  # buffers used on the side streams are freed (or reused) on main only after this
+        streams.join(main, s)  # buffers used on the side streams are freed (or reused) on main only after this
 
 
 def run_in_order(groups, order, launch_walk, launch_grads) -> None:

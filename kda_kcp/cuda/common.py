@@ -8,7 +8,7 @@ import contextvars
 import torch
 
 __all__ = ["_D", "_c", "check_tensors", "check_grid_bounds", "sm_count", "planning_sm_count", "even_split",
-           "side_streams"]
+           "side_streams", "CallStreams"]
 
 _D = 128  # the kernels' head dim (K = V)
 MAX_GRID_Y = 65535  # CUDA's bound on gridDim.y and gridDim.z (csrc/kda_common.cuh kMaxGridY)
@@ -97,3 +97,46 @@ def side_streams(name: str, device, n: int, priority: int = 0) -> list:
     while len(pool) < n:
         pool.append(torch.cuda.Stream(device=device, priority=priority))
     return pool[:n]
+
+
+class CallStreams:
+    """The current stream of one call's device (``main``), resolved once, and the switches of its launches to side
+    streams: ``with streams.on(side): launch(...)`` is ``with torch.cuda.stream(side): launch(...)`` for a stream of
+    that device, whose entry and exit each look the current device up again through ``torch.cuda.is_available``
+    (an NVML query and environment reads) and build a Stream object. Here an entry sets ``side`` current and the
+    exit sets ``main`` back, the same two ``torch.cuda.set_stream`` calls; the kernel programs launch on torch's
+    current stream (tvm_ffi asks torch for it at each call), so every launch lands where it did. When the current
+    device is another (the stream context then moves the device too, and back), ``torch.cuda.stream`` is used as
+    it is. One ``on`` at a time."""
+
+    __slots__ = ("main", "_direct", "_target", "_context")
+
+    def __init__(self, device):
+        self.main = torch.cuda.current_stream(device)
+        self._direct = torch.cuda.current_device() == self.main.device_index
+        self._target = self._context = None
+
+    def on(self, stream) -> "CallStreams":
+        self._target = stream
+        return self
+
+    def __enter__(self) -> None:
+        if self._direct:
+            torch.cuda.set_stream(self._target)
+        else:
+            self._context = torch.cuda.stream(self._target)
+            self._context.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self._direct:
+            torch.cuda.set_stream(self.main)
+        else:
+            self._context.__exit__(*exc)
+
+    @staticmethod
+    def join(waiter, stream) -> None:
+        """``waiter.wait_stream(stream)``: an event recorded on ``stream`` now, that ``waiter`` waits for (the same
+        calls, without three Python frames)."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        event.wait(waiter)

@@ -29,7 +29,7 @@ from .. import status
 from ..arena import Arena
 from ..partition import coalesce_ranges
 from . import tuning
-from .common import _D, _c, check_grid_bounds, check_tensors, even_split, side_streams, sm_count
+from .common import _D, CallStreams, _c, check_grid_bounds, check_tensors, even_split, side_streams, sm_count
 
 __all__ = ["load", "PreparedForward", "fwd_output", "fwd_summaries", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
            "run_group_tables", "early_runs", "late_runs"]
@@ -205,12 +205,14 @@ class PreparedForward:
     ``arena`` (``kda_kcp.arena.Arena``; None: allocated); the records are its first carve. On an arena that only
     counts, every step carves what it carves on the GPU and launches nothing (``mod`` None): that sizes the call."""
 
-    def __init__(self, q, k, v, g, beta, scale, plan, arena=None, checked=False, output_next=False):
+    def __init__(self, q, k, v, g, beta, scale, plan, arena=None, checked=False, output_next=False, lead=False):
         """``checked``: the caller has run ``kda_kcp.validate.check_inputs`` for the CUDA backend on these
         tensors in this call (dtypes, shapes, device, contiguity), so they are used as they are.
         ``output_next``: the caller's next step is ``output`` (no KCP summaries, no exchange in between), so the
         records may be made by run group, each group's just before its walk (``run_group_tables``); otherwise
-        they are all made now (a KCP rank waits for the others' summaries with its records done)."""
+        they are all made now (a KCP rank waits for the others' summaries with its records done). ``lead``: the
+        caller launches nothing before ``output`` either, so the first group's records are made now (the launches
+        and their order are those of ``output`` alone; the GPU starts sooner)."""
         if not checked:
             check_tensors("CUDA backend", q, k, v, g, beta)
             q, k, v, g, beta = (_c(x) for x in (q, k, v, g, beta))
@@ -227,6 +229,7 @@ class PreparedForward:
         self.none = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
         self.ws = None
         self.groups = None  # run groups whose records are made by ``output``, each before its own walk
+        self._led = False  # the first group's records are made (``lead``)
         self._o = self._side = None  # the KCP forward's early pass (``reserve_early``): o, its stream
         self._late = ()  # the runs ``output`` walks after an early pass
         if self.q.shape[0] and plan.num_runs and self.tabs.num_chunks:
@@ -235,19 +238,28 @@ class PreparedForward:
                 self.groups = run_group_tables(plan, self.H, self.dev) if output_next else None
                 if self.groups is None:
                     self._prep(((0, self.tabs.num_chunks),))
+                elif lead:
+                    self._prep(self.groups[0].ranges)
+                    self._led = True
 
     def _prep(self, ranges) -> None:
-        """Records of the chunk ranges [c0, c1) of the plan's chunk table (views of the table and the records)."""
-        rec = self.H * RECORD_BYTES
+        """Records of the chunk ranges [c0, c1) of the plan's chunk table (views of the table and the records, kept
+        by the arena; the whole table and records themselves for the whole range: the same tensors)."""
+        rec, n, rows = self.H * RECORD_BYTES, self.tabs.num_chunks, self.arena.rows
         for c0, c1 in ranges:
-            self.mod.fwd_prep(self.q, self.k, self.g, self.beta, self.tabs.chunks[c0:c1], self.ws[c0 * rec:c1 * rec],
-                              self.scale, self.word)
+            whole = c0 == 0 and c1 == n
+            chunks = self.tabs.chunks if whole else rows(self.tabs.chunks, c0, c1)
+            ws = self.ws if whole else rows(self.ws, c0 * rec, c1 * rec)
+            self.mod.fwd_prep(self.q, self.k, self.g, self.beta, chunks, ws, self.scale, self.word)
 
     def _prep_rest(self) -> None:
         """The records ``output`` would have made group by group, all now (the KCP summaries read them first)."""
         if self.groups is not None:
-            self.groups = None
-            self._prep(((0, self.tabs.num_chunks),))
+            groups, self.groups = self.groups, None
+            if self._led:
+                self._prep(coalesce_ranges(sorted(r for grp in groups[1:] for r in grp.ranges)))
+            else:
+                self._prep(((0, self.tabs.num_chunks),))
 
     def summaries(self, run_ids, arena=None):
         """(M, E) [len(run_ids), H, 128, 128] fp32 of the listed runs from a zero state (S_next = M S + E); scratch
@@ -378,20 +390,24 @@ class PreparedForward:
         def walk(grp):
             self.mod.fwd_walk_output(self.v, self.ws, chunks, grp.out, sin_t, self.none, o, warps)
 
+        led, self._led = self._led, False
         if self.dev.type != "cuda":
-            for grp in groups:
-                self._prep(grp.ranges)
+            for i, grp in enumerate(groups):
+                if i or not led:
+                    self._prep(grp.ranges)
                 walk(grp)
             return
-        main = torch.cuda.current_stream(self.dev)
-        streams = side_streams("fwd_groups", self.dev, len(groups), groups[0].priority)
-        for grp, side in zip(groups, streams):
-            self._prep(grp.ranges)
-            side.wait_stream(main)  # this group's records (and o, the tables, the incoming states)
-            with torch.cuda.stream(side):
+        streams = CallStreams(self.dev)
+        main = streams.main
+        sides = side_streams("fwd_groups", self.dev, len(groups), groups[0].priority)
+        for i, (grp, side) in enumerate(zip(groups, sides)):
+            if i or not led:  # (the first group's records are made when ``lead``)
+                self._prep(grp.ranges)
+            streams.join(side, main)  # this group's records (and o, the tables, the incoming states)
+            with streams.on(side):
                 walk(grp)
-        for side in streams:
-            main.wait_stream(side)  # o and the records are used (or freed) on main only after this
+        for side in sides:
+            streams.join(main, side)  # o and the records are used (or freed) on main only after this
 
 
 def fwd_output(q, k, v, g, beta, scale, plan, state_in=None, arena=None):

@@ -9,11 +9,19 @@ their start offsets and lengths, nested by time, and marks the first kernel-prog
     python scripts/profiling/host_trace.py --heads 4 --op bwd          # on the GPU machine
     python scripts/profiling/host_trace.py --heads 4 --op fwd --stub   # anywhere: CPU tensors, kernel programs stubbed
 
-Each op runs --warm untimed times first; the trace is of the last of --iters traced runs.
+Each op runs --warm untimed times first; the trace is of the last of --iters traced runs, and the first line gives
+the medians (and the spread) over all of them: one run's numbers scatter by tens of microseconds. --bare times the
+same runs without the per-stage timers (their own cost is a few microseconds per stage); the first launch is then
+still timed.
+
+With --stub the call's own checks run as on the GPU (CPU tensors of the CUDA backend's dtypes pass them), but the
+stream work of the CUDA path does not: off CUDA the backward's launches run in order on the host, so its stream
+switches, events and waits show only on the GPU.
 """
 
 import argparse
 import functools
+import statistics
 import sys
 import threading
 import time
@@ -65,19 +73,25 @@ class NoKernels:
         return lambda *args, **kwargs: None
 
 
-def instrument(stub: bool) -> None:
-    for owner, names in ((function, ("_prepare", "_split_workspace", "_workspace_need", "backward_kcp", "check_inputs",
-                                     "check_grad_output", "select_backend")),
-                         (cuda_bwd, ("chunk_tables", "seg_tables", "walk_groups", "pipelined_walks_and_grads")),
-                         (cuda_fwd, ("forward_tables",))):
+STAGES = ((function, ("_prepare", "_split_workspace", "_workspace_need", "backward_kcp", "check_inputs",
+                       "check_grad_output", "select_backend")),
+          (cuda_bwd, ("chunk_tables", "seg_tables", "walk_groups", "pipelined_walks_and_grads")),
+          (cuda_fwd, ("forward_tables",)))
+METHODS = ((function.ForwardCall, ("__init__", "finish")),
+           (cuda_bwd.PreparedBackward, ("__init__", "grads", "summaries")),
+           (cuda_fwd.PreparedForward, ("__init__", "output", "summaries")))
+
+
+def instrument(stub: bool, bare: bool) -> None:
+    """Timers on the stages (none with ``bare``) and on every kernel-program call; with ``stub`` the programs
+    do nothing and the CUDA backend is chosen for CPU tensors."""
+    for owner, names in () if bare else STAGES:
         for name in names:
             setattr(owner, name, timed(f"{owner.__name__.split('.')[-1]}.{name}", getattr(owner, name)))
-    for cls, names in ((function.ForwardCall, ("__init__", "finish")),
-                       (cuda_bwd.PreparedBackward, ("__init__", "grads", "summaries")),
-                       (cuda_fwd.PreparedForward, ("__init__", "output", "summaries"))):
+    for cls, names in () if bare else METHODS:
         for name in names:
             setattr(cls, name, timed(f"{cls.__name__}.{name}", getattr(cls, name)))
-    for cls in (function.KdaKcpInputs, function.KdaKcpOutput):
+    for cls in () if bare else (function.KdaKcpInputs, function.KdaKcpOutput):
         for name in ("forward", "backward"):
             setattr(cls, name, staticmethod(timed(f"{cls.__name__}.{name}", getattr(cls, name))))
     for mod in (cuda_fwd, cuda_bwd):
@@ -87,8 +101,11 @@ def instrument(stub: bool) -> None:
     if stub:
         backend = CudaBackend(True)
         backend.load = lambda device: None
-        function.select_backend = timed("function.select_backend", lambda device, det: backend)
-        function.check_inputs = lambda *a: None
+
+        def select(device, det):
+            return backend
+
+        function.select_backend = select if bare else timed("function.select_backend", select)
         cuda_fwd.check_tensors = cuda_bwd.check_tensors = lambda *a: None
 
 
@@ -97,12 +114,13 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--op", choices=("fwd", "bwd", "ckpt"), default="bwd")
     p.add_argument("--warm", type=int, default=3)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--min-us", type=float, default=2.0, help="list stages of at least this length")
     p.add_argument("--stub", action="store_true", help="CPU tensors, kernel programs stubbed (the host path only)")
+    p.add_argument("--bare", action="store_true", help="time the launches only (no per-stage timers)")
     args = p.parse_args()
     dev = torch.device("cpu" if args.stub else "cuda")
-    instrument(args.stub)
+    instrument(args.stub, args.bare)
     cu, *inputs = step_inputs(list(DOCS), args.heads, dev)
     x = tuple(t.requires_grad_() for t in inputs)
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
@@ -120,6 +138,7 @@ def main():
             torch.cuda.synchronize()
 
     prepare, timed = Bench.op_fns(args.op, fn, x, do)
+    calls, firsts = [], []
     for i in range(args.warm + args.iters):
         state = prepare()
         sync()
@@ -131,9 +150,20 @@ def main():
         t_end = time.perf_counter()
         sync()
         del out, state
-    launches = [e for e in EVENTS if e[3].startswith("launch ")]
-    first = min(e[0] for e in launches) if launches else None
-    print(f"{args.op} H={args.heads}{' (stubbed kernels, CPU)' if args.stub else ''}: host call {1e6 * (t_end - t0):.0f} us"
+        launches = [e for e in EVENTS if e[3].startswith("launch ")]
+        first = min(e[0] for e in launches) if launches else None
+        if i >= args.warm:
+            calls.append(1e6 * (t_end - t0))
+            if first is not None:
+                firsts.append(1e6 * (first - t0))
+
+    def spread(xs):
+        q = statistics.quantiles(xs, n=4) if len(xs) > 1 else xs * 3
+        return f"{statistics.median(xs):.0f} us (quartiles {q[0]:.0f}-{q[2]:.0f})"
+
+    print(f"{args.op} H={args.heads}{' (stubbed kernels, CPU)' if args.stub else ''}, median of {len(calls)}: "
+          f"host call {spread(calls)}" + (f", first launch {spread(firsts)}" if firsts else ""))
+    print(f"the last run: host call {1e6 * (t_end - t0):.0f} us"
           + (f", first launch ({min(launches)[3][7:]}) at {1e6 * (first - t0):.0f} us" if launches else ""))
     stack = []
     for t_a, t_b, thread, name in sorted(EVENTS, key=lambda e: (e[0], -e[1])):
