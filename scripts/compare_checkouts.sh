@@ -8,6 +8,8 @@
 #   tests     pytest -v $TEST_FILES on this tree (timeout $TEST_TIMEOUT; one line per test, so a run cut short still names each result)
 #   sanitize  compute-sanitizer $SAN_TOOLS on $SAN_CMD (timeout $SAN_TIMEOUT each)
 #   ab        the benchmark's det arm (H in $AB_HEADS, ops $AB_OPS) in the order $AB_ORDER (base / new)
+#   gap       scripts/profiling/host_gap.py (det, benchmark protocol against GPU-only time: the host's share of a cell)
+#             at H in $GAP_HEADS, ops $GAP_OPS, in the order $AB_ORDER
 #   cmd       bash -c "$CMD" on this tree
 # Carry .whl and .build; logs come back in $OUT/logs.tgz, a summary last.
 set -o pipefail
@@ -47,6 +49,12 @@ for st in ${STAGES:-bitwise tests sanitize}; do
     for who in ${AB_ORDER:-base new base new}; do
       $who timeout 150 python3 benchmarks/bench_kda_kcp.py --world 1 --heads ${AB_HEADS:-16} --ops ${AB_OPS:-fwd bwd} --arms det --groups 2 --iters 5 --no-oracle > $OUT/ab_$who.log 2>&1
       note "ab $who: $(grep -E '^\| contiguous' $OUT/ab_$who.log | awk -F'|' '{printf "%s|%s|%s ; ", $3, $4, $5}')"
+    done;;
+  gap)
+    for who in ${AB_ORDER:-base new base new}; do
+      $who timeout 150 python3 $ROOT/scripts/profiling/host_gap.py --heads ${GAP_HEADS:-4} --op ${GAP_OPS:-fwd bwd} \
+        --checkout . --tag $who > $OUT/gap_$who.log 2>&1
+      note "gap $who: $(grep '^GAP' $OUT/gap_$who.log | cut -d' ' -f3- | tr '\n' ';')"
     done;;
   cmd)
     new bash -c "$CMD" > $OUT/cmd.log 2>&1; note "cmd rc=$?: $(tail -5 $OUT/cmd.log | tr '\n' ' ')";;

@@ -109,6 +109,8 @@ def main():
     p.add_argument("--gap", type=float, default=5.0, help="report idle gaps longer than this (us)")
     p.add_argument("--trace", type=Path, default=Path("/tmp/kda_trace.json"))
     p.add_argument("--workspace", action="store_true", help="pass a WorkspaceKcp, as the benchmark does")
+    p.add_argument("--gates", choices=("bench", "strong"), default="bench",
+                   help="the gate law, as the benchmark's --gates (the per-kernel sums show what a law costs where)")
     p.add_argument("--before", nargs="*", default=[], metavar="H:OP",
                    help="run these ops (fwd, bwd, ckpt) at these head counts first, untimed, in this process (the "
                         "benchmark's cell order: e.g. --before 4:fwd 4:bwd 4:ckpt before the H = 16 forward)")
@@ -134,7 +136,7 @@ def main():
         run_before(spec, dev, args.workspace)
     if args.empty_cache:
         torch.cuda.empty_cache()
-    cu, *inputs = step_inputs(DOCS, args.heads, dev) if not args.activations else (offsets(DOCS),)
+    cu, *inputs = step_inputs(DOCS, args.heads, dev, args.gates) if not args.activations else (offsets(DOCS),)
     cu_t = torch.tensor(cu, device=dev)
     ctx = kda_kcp.build_context_kcp(cu_t)
     ws = kda_kcp.WorkspaceKcp(ctx, args.heads, device=dev) if args.workspace else None
