@@ -1388,10 +1388,19 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         Rg[0][ni][e] += __bfloat162float(x[sw128(r, cc)]) * y;
       }
   };
-  // columns: z (row r, column cc) goes into dk, and -k o z into dG
-  auto add_z = [&](int ni, int e, int r, int cc, float z) {
-    dKg[0][ni][e] += z;
-    Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
+  // columns: z = acc o e^(G_ar - G) (row r, column cc) goes into dk, and -k o z into dG; `ftz`: B4''s factors lie in
+  // [e^-64, 1] and take the exponential that flushes below FP32's normals, B4's the full-range one
+  auto add_columns = [&](const float (&acc)[1][NT128][4], int ar, bool ftz) {
+#pragma unroll
+    for (int ni = 0; ni < NT128; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
+        const float x = sG[f32_at<true>(ar, cc)] - sG[f32_at<true>(r, cc)];
+        const float z = acc[0][ni][e] * (ftz ? fexp_ftz(x) : fexp(x));
+        dKg[0][ni][e] += z;
+        Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
+      }
   };
   auto store_dq = [&] {
     epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
@@ -1477,13 +1486,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       wgemm<1, NT128, 64, true, true, S, true, true>(acc, B16(B_SDAH), B16(B_SDAL), m0, m0, B16(O_QRH), B16(O_QRL), n128, m0, C - m0, lane);
       __syncthreads();  // B5's dG tile lies over K o e^(G - G_63)
     }
-#pragma unroll
-    for (int ni = 0; ni < NT128; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        add_z(ni, e, r, cc, acc[0][ni][e] * fexp_ftz(sG[f32_at<true>(63, cc)] - sG[f32_at<true>(r, cc)]));
-      }
+    add_columns(acc, 63, true);
   } else {
     // ---- B4 (per-block anchors): every key and query row anchored at its own 16-row block's first row a ----
     // Cc = K o e^(G_a - G) (the rows' keys, factors in [1, e^80]); K o e^(G - G_a) and Q o e^(G - G_a) (the columns'
@@ -1538,13 +1541,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       wgemm<1, NT128, 64, true, true, 128, true, true>(acc, B16(B_SDAH), B16(B_SDAL), m0, 16 * J, B16(O_QRH), B16(O_QRL),
                                                    n128, 16 * J, 16, lane);
     }
-#pragma unroll
-    for (int ni = 0; ni < NT128; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = m0 + g4 + 8 * (e >> 1), cc = n128 + 8 * ni + 2 * l4 + (e & 1);
-        add_z(ni, e, r, cc, acc[0][ni][e] * fexp(sG[f32_at<true>(16 * I, cc)] - sG[f32_at<true>(r, cc)]));
-      }
+    add_columns(acc, 16 * I, false);
     __syncthreads();  // B5's dG tile lies over K o e^(G - G_a)
   }
   epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
