@@ -15,6 +15,9 @@ kda_kcp (and so its programs) from DIR, e.g. a baseline tree for the save and th
     python scripts/bitwise_builds.py save /tmp/act.pt --heads 16 --activations --checkout /path/to/base
     python scripts/bitwise_builds.py cmp /tmp/act.pt --heads 16 --activations
 
+--gates strong draws g uniformly in [-5, 0) (the benchmark's strong law), where every chunk takes the kernels'
+per-block anchor path; cmp prints each tensor's relative distance when it is not bitwise equal.
+
 --workspace runs the step through a WorkspaceKcp (the benchmark's call) three times on one workspace, checks the
 three agree and saves or compares the last: a change to the host path (the carves and views a workspace keeps, the
 streams of the launches) is checked bitwise the same way.
@@ -31,14 +34,14 @@ NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 ACT_NAMES = NAMES + ("dA_log", "ddt_bias")
 
 
-def step(H, docs):
+def step(H, docs, gates="bench"):
     from profile_step import run_step
 
     torch.manual_seed(0)
-    return dict(zip(NAMES, run_step(docs, H)))
+    return dict(zip(NAMES, run_step(docs, H, gates=gates)))
 
 
-def workspace_step(H, docs, calls=3):
+def workspace_step(H, docs, gates="bench", calls=3):
     """``step``'s inputs through the benchmark's call (a WorkspaceKcp), the step run ``calls`` times on the same
     workspace (a later call gets the carves and views the workspace keeps); every call's results must be equal, and
     the last call's are returned."""
@@ -47,7 +50,7 @@ def workspace_step(H, docs, calls=3):
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    cu, *inputs = step_inputs(docs, H, dev)
+    cu, *inputs = step_inputs(docs, H, dev, gates)
     x = tuple(t.requires_grad_() for t in inputs)
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
     ws = kda_kcp.WorkspaceKcp(ctx, H, device=dev)
@@ -94,10 +97,15 @@ def main():
                    help="kda_kcp.chunk_kda with every in-call activation on; A_log's and dt_bias' gradients too")
     p.add_argument("--gate", choices=("bench", "softplus"), default="bench",
                    help="with --activations: the benchmark row's gate (lower_bound -5) or FLA's softplus gate")
+    p.add_argument("--gates", choices=("bench", "strong"), default="bench",
+                   help="the benchmark's gate law for g (strong: uniform in [-5, 0), every chunk on the prep's "
+                        "per-block anchors); not with --activations")
     p.add_argument("--checkout", default=None, metavar="DIR", help="import kda_kcp from DIR (default: this tree)")
     p.add_argument("--workspace", action="store_true",
                    help="the step through a WorkspaceKcp (the benchmark's call), three times on one workspace")
     args = p.parse_args()
+    if args.activations and args.gates != "bench":
+        p.error("--gates applies to the plain step; --activations draws its own raw gates (see --gate)")
     # kda_kcp first, from the checkout asked for: profile_step and the benchmark then find it imported
     sys.path.insert(0, str(Path(args.checkout).resolve() if args.checkout else ROOT))
     import kda_kcp
@@ -111,7 +119,8 @@ def main():
     if args.activations:
         res = activations_step(args.heads, docs, args.gate)
     else:
-        res = workspace_step(args.heads, docs) if args.workspace else step(args.heads, docs)
+        res = (workspace_step(args.heads, docs, args.gates) if args.workspace
+               else step(args.heads, docs, args.gates))
     names = tuple(res)
     if args.mode == "save":
         torch.save({n: t.cpu() for n, t in res.items()}, args.path)
