@@ -4,10 +4,12 @@
 # with its build ($BASE_BUILD, default .build/pb_main), and this tree with its build ($NEW_BUILD, default
 # .build/pb_new), each made here by scripts/build_prebuilt.py. Each checkout loads only its own programs (their
 # build identities name their sources), so this is how an A/B across source changes runs. STAGES, in order:
-#   bitwise   o and every gradient of one det step (scripts/bitwise_builds.py) at each H in $BW_HEADS, base vs new
+#   bitwise   o and every gradient of one det step (scripts/bitwise_builds.py) at each H in $BW_HEADS and gate law in
+#             $BW_GATES (bench, strong; default bench), base vs new
 #   tests     pytest -v $TEST_FILES on this tree (timeout $TEST_TIMEOUT; one line per test, so a run cut short still names each result)
 #   sanitize  compute-sanitizer $SAN_TOOLS on $SAN_CMD (timeout $SAN_TIMEOUT each)
-#   ab        the benchmark's det arm (H in $AB_HEADS, ops $AB_OPS) in the order $AB_ORDER (base / new)
+#   ab        the benchmark's det arm (H in $AB_HEADS, ops $AB_OPS, more arguments in $AB_ARGS, e.g. --gates strong) in
+#             the order $AB_ORDER (base / new)
 #   gap       scripts/profiling/host_gap.py (det, benchmark protocol against GPU-only time: the host's share of a cell)
 #             at H in $GAP_HEADS, ops $GAP_OPS, in the order $AB_ORDER
 #   cmd       bash -c "$CMD" on this tree
@@ -31,10 +33,13 @@ nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
 for st in ${STAGES:-bitwise tests sanitize}; do
   case $st in
   bitwise)
-    for h in ${BW_HEADS:-4 16}; do
-      base python3 scripts/bitwise_builds.py save /tmp/ref$h.pt --heads $h > $OUT/bw_save$h.log 2>&1 || note "base save H=$h failed: $(tail -3 $OUT/bw_save$h.log)"
-      new python3 scripts/bitwise_builds.py cmp /tmp/ref$h.pt --heads $h > $OUT/bw_cmp$h.log 2>&1
-      note "bitwise H=$h rc=$?: $(cat $OUT/bw_cmp$h.log | tr '\n' ' ' | cut -c1-400)"
+    for law in ${BW_GATES:-bench}; do
+      for h in ${BW_HEADS:-4 16}; do
+        t=$law$h
+        base python3 scripts/bitwise_builds.py save /tmp/ref$t.pt --heads $h --gates $law > $OUT/bw_save$t.log 2>&1 || note "base save H=$h $law failed: $(tail -3 $OUT/bw_save$t.log)"
+        new python3 scripts/bitwise_builds.py cmp /tmp/ref$t.pt --heads $h --gates $law > $OUT/bw_cmp$t.log 2>&1
+        note "bitwise H=$h $law gates rc=$?: $(cat $OUT/bw_cmp$t.log | tr '\n' ' ' | cut -c1-400)"
+      done
     done;;
   tests)
     new timeout ${TEST_TIMEOUT:-330} python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --durations=12 ${TEST_FILES:-tests/gpu/test_workspace_cuda.py tests/gpu/test_fwd_cuda.py tests/gpu/test_bwd_cuda.py} > $OUT/tests.log 2>&1
@@ -47,7 +52,7 @@ for st in ${STAGES:-bitwise tests sanitize}; do
     done;;
   ab)
     for who in ${AB_ORDER:-base new base new}; do
-      $who timeout 150 python3 benchmarks/bench_kda_kcp.py --world 1 --heads ${AB_HEADS:-16} --ops ${AB_OPS:-fwd bwd} --arms det --groups 2 --iters 5 --no-oracle > $OUT/ab_$who.log 2>&1
+      $who timeout 150 python3 benchmarks/bench_kda_kcp.py --world 1 --heads ${AB_HEADS:-16} --ops ${AB_OPS:-fwd bwd} --arms det --groups 2 --iters 5 --no-oracle ${AB_ARGS:-} > $OUT/ab_$who.log 2>&1
       note "ab $who: $(grep -E '^\| contiguous' $OUT/ab_$who.log | awk -F'|' '{printf "%s|%s|%s ; ", $3, $4, $5}')"
     done;;
   gap)
