@@ -63,6 +63,7 @@ static_assert(P_ABL + 8192 <= P_V, "phase B overlaps V");
 constexpr int P_L = P_AEND;              // fp32 [64][LDL]; before the products, q (bf16 [64][128])
 constexpr int P_BETA = P_L + C * LDL * 4;
 constexpr int P_TOT = P_BETA + 256;      // fp32 [4][128]
+constexpr int P_CF = P_TOT;              // per-block anchors: bf16 pair factors [6][64] (the totals are dead by then)
 constexpr int P_GA = P_TOT + 2048;       // fp32 [4][128]
 constexpr int P_GL = P_GA + 2048;        // fp32 [128]
 constexpr int SMEM = P_GL + 512;
@@ -177,10 +178,40 @@ __device__ __forceinline__ void inverse_offdiag(const float* sL, float* sA, int 
 // faster (down to -5 per token: -320 over a chunk) anchor each 16-row block at its own first row (<= e^80).
 constexpr float kOneAnchor = 64.f;
 
+// A column's anchor: rel(G) = exp(G - anchor), abs() = exp(anchor). One anchor for the chunk (ONE): G_0 itself. Per
+// block: the power of two 2^m, m = ceil(G_a log2 e), an integer that sits at most one binade above G_a, so the rows'
+// factors stay in [e^-76, 1] and [1, e^76] and the factor between two blocks' anchors, 2^(m_I - m_J), is a power of
+// two: it scales a bf16 hi + lo pair exactly (lq_block). Every thread that needs a block's m forms it from the same
+// float G_a in the same two instructions, so they agree bit for bit.
+template <bool ONE>
+struct Anchor;
+template <>
+struct Anchor<true> {
+  float a;
+  __device__ __forceinline__ explicit Anchor(float ga) : a(ga) {}
+  __device__ __forceinline__ float rel(float G) const { return fexp_ftz(G - a); }
+  __device__ __forceinline__ float abs() const { return fexp_ftz(a); }
+};
+template <>
+struct Anchor<false> {
+  float m;
+  __device__ __forceinline__ explicit Anchor(float ga) : m(ceilf(ga * kLog2e)) {}
+  __device__ __forceinline__ float rel(float G) const { return fex2_ftz(fmaf(G, kLog2e, -m)); }
+  __device__ __forceinline__ float abs() const { return fex2_ftz(m); }
+};
+
+// Per-block anchors: the word of P_CF that holds the factors 2^(m_I - m_J) of column pair c (columns 2c, 2c + 1) for
+// the block pair (I, J), J < I, placed so that an mma B fragment's two column pairs (d, d + 1 and d + 8, d + 9 with
+// d = 16 ks + 2 l4) are one 64-bit load
+__device__ __forceinline__ int cf_word(int I, int J, int c) {
+  return ((I * (I - 1)) / 2 + J) * 64 + (c & ~7) + ((c & 3) << 1) + ((c >> 2) & 1);
+}
+
 // L (DO_L) and / or Aqk (DO_Q) of the 16x16 block (I, J), J <= I, by one warp. Both are (the row side of
 // block I: K_r, Q_r hi + lo) Cc_J^T, Cc = K o exp(G_a - G) (hi + lo). With one anchor for the chunk that is all;
-// anchored per row block (PER_BLOCK: a_I = 16 I), the factor diag(exp(G_aI - G_aJ)) (<= 1, = 1 on the diagonal)
-// is applied to the Cc fragment in registers, so one Cc tile serves every block and no block waits for another.
+// anchored per row block (PER_BLOCK: a_I = 16 I), the factor diag(2^(m_I - m_J)) (Anchor<false>: powers of two,
+// <= 1, = 1 on the diagonal) is applied to the Cc fragment in registers, one exact bf16 multiply per word of hi and
+// of lo, so one Cc tile serves every block and no block waits for another.
 template <class Rec, bool PER_BLOCK, bool DO_L, bool DO_Q>
 __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, float scale, int lane) {
   const __nv_bfloat16* sKr = reinterpret_cast<const __nv_bfloat16*>(smem + P_KR);
@@ -188,10 +219,11 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
   const __nv_bfloat16* sQrl = reinterpret_cast<const __nv_bfloat16*>(smem + P_QRL);
   const __nv_bfloat16* sCch = reinterpret_cast<const __nv_bfloat16*>(smem + P_CCH);
   const __nv_bfloat16* sCcl = reinterpret_cast<const __nv_bfloat16*>(smem + P_CCL);
-  const float* sGa = reinterpret_cast<const float*>(smem + P_GA);
+  const uint32_t* sCf = reinterpret_cast<const uint32_t*>(smem + P_CF);
   const float* sBeta = reinterpret_cast<const float*>(smem + P_BETA);
   float* sL = reinterpret_cast<float*>(smem + P_L);
   const int g4 = lane >> 2, l4 = lane & 3;
+  constexpr bool kLo = DO_Q || Rec::kBwd;  // Cc's lo part enters a product
   float accL[2][4], accQ[2][4];
   zero_frags(accL);
   zero_frags(accQ);
@@ -199,20 +231,13 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
   for (int ks = 0; ks < 8; ++ks) {
     uint32_t bh[4], bl[4];
     ldb<128>(bh, sCch, ks * 16, J * 16, lane);
-    if (DO_Q || Rec::kBwd || (PER_BLOCK && I > J)) ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
-    if (PER_BLOCK && I > J) {  // Cc_J o exp(G_aI - G_aJ) on the fragment's columns d, d + 1 (b[0], b[2]), d + 8, d + 9
-      const int d = ks * 16 + l4 * 2;
-      const float2 ga = *reinterpret_cast<const float2*>(sGa + I * D + d);
-      const float2 gb = *reinterpret_cast<const float2*>(sGa + J * D + d);
-      const float2 ga8 = *reinterpret_cast<const float2*>(sGa + I * D + d + 8);
-      const float2 gb8 = *reinterpret_cast<const float2*>(sGa + J * D + d + 8);
-      const float2 f = make_float2(fexp_ftz(ga.x - gb.x), fexp_ftz(ga.y - gb.y));
-      const float2 f8 = make_float2(fexp_ftz(ga8.x - gb8.x), fexp_ftz(ga8.y - gb8.y));
+    if (kLo) ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
+    if (PER_BLOCK && I > J) {  // Cc_J o 2^(m_I - m_J) on the fragment's columns d, d + 1 (b[0], b[2]), d + 8, d + 9
+      const uint2 f = *reinterpret_cast<const uint2*>(sCf + cf_word(I, J, ks * 8 + l4));
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float2 fe = (e & 1) ? f8 : f;
-        const float2 h2 = bf2_to_f2(bh[e]), l2 = bf2_to_f2(bl[e]);
-        split2((h2.x + l2.x) * fe.x, (h2.y + l2.y) * fe.y, bh[e], bl[e]);
+        bh[e] = bf16x2_mul(bh[e], (e & 1) ? f.y : f.x);
+        if (kLo) bl[e] = bf16x2_mul(bl[e], (e & 1) ? f.y : f.x);
       }
     }
     if constexpr (DO_Q) {
@@ -273,8 +298,8 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
 }
 
 // L and Aqk of the ten lower 16x16 blocks, all at once. Per warp, in mma_n16 per k-step: warps 0..5 both products
-// of one block below the diagonal (4, + the Cc factor when PER_BLOCK), then warps 0..3 the L of diagonal block w
-// (1); warps 6, 7 the Aqk of two diagonal blocks each (3 + 3).
+// of one block below the diagonal (4, + 8 bf16 multiplies for the Cc factor when PER_BLOCK), then warps 0..3 the L
+// of diagonal block w (1); warps 6, 7 the Aqk of two diagonal blocks each (3 + 3).
 // The diagonal blocks' Aqk is also the check that q and k are finite (reported into *status, kda_status.cuh): row i
 // of q and of k meet in the entry (i, i), the sum over every column d of Q_r[i][d] Cc[i][d], each factor a hi + lo
 // pair of bf16 whose anchored factors lie in [e^-80, e^80], never 0 or Inf. A NaN or Inf in q[i][d] or k[i][d] makes
@@ -348,8 +373,9 @@ __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
 // From the cumulative gates (G0, G1: this thread's columns d0, d0 + 1 of rows 16 rq ..; k in kk) to the staged
 // tiles the inverse and W read: the anchored rows, L and Aqk, then X = K o exp(G) over the dead Kr tile and, in the
 // forward, Qg = s Q o exp(G) and Kg = K o exp(G_63 - G) staged in the dead Cc tiles. Anchored at the chunk's first
-// row (ONE: kOneAnchor holds) or each row block I at its first row a_I = 16 I (G is non-increasing): K_r =
-// K o exp(G - G_a) and Q_r (hi + lo) <= 1; Cc = K o exp(G_a - G) (hi + lo), the column side.
+// row (ONE: kOneAnchor holds) or each row block I at its first row a_I = 16 I (G is non-increasing; per block the
+// anchor is the power of two just above, Anchor<false>): K_r = K o exp(G - G_a) and Q_r (hi + lo) <= 1;
+// Cc = K o exp(G_a - G) (hi + lo), the column side.
 // X, Qg and Kg are products of the anchored rows' factors with per-column constants, no exp per element: exp(G) =
 // exp(G - G_a) exp(G_a) (where exp(G_a) underflows so does exp(G), G <= G_a), and exp(G_63 - G) =
 // exp(G_a - G) exp(G_63 - G_a) with ONE (>= e^-64) or, per block, exp(G_a - G) exp(G_e - G_a) exp(G_63 - G_e) with
@@ -377,14 +403,24 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
   const int cp = tid & 63, rq = tid >> 6;
   const int d0 = cp * 2;
 
-  const float an0 = ONE ? sGa[d0] : G0[0], an1 = ONE ? sGa[d0 + 1] : G1[0];
+  const Anchor<ONE> an0(ONE ? sGa[d0] : G0[0]), an1(ONE ? sGa[d0 + 1] : G1[0]);
   const float gl0 = sGl[d0], gl1 = sGl[d0 + 1];
-  const float ex0 = fexp_ftz(an0), ex1 = fexp_ftz(an1);          // exp(G_a)
+  const float ex0 = an0.abs(), ex1 = an1.abs();                    // exp(G_a)
   const float eq0 = a.scale * ex0, eq1 = a.scale * ex1;           // s exp(G_a)
   // Kg = Cc o ek o el: ek = exp(G_63 - G_a), el = 1 (ONE); ek = exp(G_e - G_a), el = exp(G_63 - G_e) (per block)
-  const float ek0 = ONE ? fexp_ftz(gl0 - an0) : fexp_ftz(G0[15] - an0);
-  const float ek1 = ONE ? fexp_ftz(gl1 - an1) : fexp_ftz(G1[15] - an1);
+  const float ek0 = an0.rel(ONE ? gl0 : G0[15]), ek1 = an1.rel(ONE ? gl1 : G1[15]);
   const float el0 = ONE ? 1.f : fexp_ftz(gl0 - G0[15]), el1 = ONE ? 1.f : fexp_ftz(gl1 - G1[15]);
+  if constexpr (!ONE) {  // the factors 2^(m_I - m_J) of this thread's column pair, I = rq, for every J < I (lq_block)
+    uint32_t* sCf = reinterpret_cast<uint32_t*>(smem + P_CF);
+#pragma unroll
+    for (int J = 0; J < 3; ++J) {
+      if (J < rq) {
+        const float2 ga = *reinterpret_cast<const float2*>(sGa + J * D + d0);
+        sCf[cf_word(rq, J, cp)] =
+            pack_bf16(fex2_ftz(an0.m - Anchor<false>(ga.x).m), fex2_ftz(an1.m - Anchor<false>(ga.y).m));
+      }
+    }
+  }
   uint32_t xr[16], qgr[Rec::kBwd ? 1 : 16], kgr[Rec::kBwd ? 1 : 16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
@@ -392,7 +428,7 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
     const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
     const uint32_t qw = *reinterpret_cast<const uint32_t*>(sQ + j * D + d0);
     const float2 qf = bf2_to_f2(qw);
-    const float e0 = fexp_ftz(G0[i] - an0), e1 = fexp_ftz(G1[i] - an1);  // <= 1
+    const float e0 = an0.rel(G0[i]), e1 = an1.rel(G1[i]);  // <= 1
     const float kr0 = kf.x * e0, kr1 = kf.y * e1, qr0 = qf.x * e0, qr1 = qf.y * e1;
     *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kr0, kr1);
     uint32_t hi, lo;

@@ -29,6 +29,13 @@ __device__ __forceinline__ float fexp_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
   return y;
 }
+// 2^x with results below FP32's normal range flushed to zero: one MUFU.EX2 (no scaling, so 2^n for an integer n
+// is a power of two once rounded to bf16, whatever the approximation's last bits).
+__device__ __forceinline__ float fex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 // 1 / x in one MUFU.RCP (rcp.approx.ftz: ~1 ulp), for x of magnitude in [2^-126, 2^126].
 __device__ __forceinline__ float frcp(float x) {
   float y;
@@ -127,6 +134,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 // the two bf16 of a 32-bit word (low half first) as floats
 __device__ __forceinline__ float2 bf2_to_f2(uint32_t w) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+// Two bf16 pairs multiplied elementwise (one HMUL2.BF16, rounded to nearest): exact when b holds powers of two and
+// the products stay in bf16's normal range.
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
 }
 // x ~= hi + lo with both bf16 (about 16 significant bits together).
 __device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {

@@ -18,6 +18,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxGridY = kEmuMaxGridY;  // the emulated device's bound (cuda_runtime.h)
 inline float fexp(float x) { return std::exp2(x * kLog2e); }
 inline float fexp_ftz(float x) { const float y = std::exp2(x * kLog2e); return y < 1.17549435e-38f ? 0.f : y; }
+inline float fex2_ftz(float x) { const float y = std::exp2(x); return y < 1.17549435e-38f ? 0.f : y; }
 inline float frcp(float x) { return 1.f / x; }
 inline int sw128(int r, int c) { return r * 128 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
 inline int sw64(int r, int c) { return r * 64 + ((((c >> 3) ^ (r & 7))) << 3) + (c & 7); }
@@ -135,6 +136,8 @@ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
 }
 inline uint32_t pack_bf16(float lo, float hi) { return pk(__float2bfloat16_rn(lo).x, __float2bfloat16_rn(hi).x); }
 inline float2 bf2_to_f2(uint32_t w) { return make_float2(bf(w, 0), bf(w, 1)); }
+// the products of two bf16 are exact in FP32, so one rounding to bf16 is the hardware's
+inline uint32_t bf16x2_mul(uint32_t a, uint32_t b) { return pack_bf16(bf(a, 0) * bf(b, 0), bf(a, 1) * bf(b, 1)); }
 inline uint32_t pack_f16(float x, float y) { return pk(f32_to_f16_bits(x), f32_to_f16_bits(y)); }
 inline float f16_to_f32(uint16_t b) { return f16_bits_to_f32(b); }
 inline uint32_t bf16x2_to_f16x2(uint32_t w, float sc) { return pack_f16(bf(w, 0) * sc, bf(w, 1) * sc); }
