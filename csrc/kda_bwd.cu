@@ -479,6 +479,48 @@ __device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, i
   load_f32<NT, 1, D>(reinterpret_cast<float*>(st + Sh::FW_GAM), D, reinterpret_cast<const float*>(rec + kRecGam), 0, 1, tid);
 }
 
+// A walk CTA's place, the same in both walks and both modes: row r of a.runs (first chunk, chunks nc, idx sidx, src
+// ssrc), head h, its state columns (col0 the CTA's first, vcol this warp's) and whether it carries the second part of
+// the virtual columns: every walk CTA does, a summary's CTAs on E / F (the part that takes U or dO) do.
+// (The entering state's selection and the leaving state's store stay in the kernels: as member functions they compile
+// to other instruction orders.)
+template <bool SUMMARY, int COLS>
+struct WalkCta {
+  const int tid, lane, warp, r, h, H, vz;
+  const bool carries;
+  const int col0, vloc, vcol, g4, l4, first, nc, sidx, ssrc;
+  // (threadIdx.x from the kernel itself: only there does the compiler bound it by __launch_bounds__)
+  __device__ __forceinline__ WalkCta(const Args& a, int thread)
+      : tid(thread), lane(tid & 31), warp(tid >> 5), r(blockIdx.x), h(blockIdx.y), H(a.H),
+        vz(blockIdx.z * COLS), carries(!SUMMARY || vz >= D), col0(vz & (D - 1)), vloc(warp * 16), vcol(col0 + vloc),
+        g4(lane >> 2), l4(lane & 3), first(a.runs[4 * r]), nc(a.runs[4 * r + 1]), sidx(a.runs[4 * r + 2]),
+        ssrc(a.runs[4 * r + 3]) {}
+};
+
+// A run's nc chunks from chunk first pass through two cp.async stages of STAGE bytes, in order (REVERSE: from the
+// last): the next chunk's stage loads while this chunk's products run. load(st, c) stages chunk c.
+template <bool REVERSE, class Load>
+__device__ __forceinline__ void walk_stage_first(char* smem, int first, int nc, const Load& load) {
+  if (nc > 0) load(smem, REVERSE ? first + nc - 1 : first);
+  cp_async_commit();
+}
+// The stage of chunk first + j, the walk's i-th, once complete; the walk's next chunk loads into the other stage. The
+// walk's products then read the stage, and a barrier after them frees it for the next prefetch.
+template <bool WGMMA, bool REVERSE, int STAGE, class Load>
+__device__ __forceinline__ char* walk_stage_next(char* smem, int i, int j, int first, int nc, const Load& load) {
+  char* st = smem + (i & 1) * STAGE;
+  if (REVERSE ? j > 0 : j + 1 < nc) {
+    load(smem + ((i + 1) & 1) * STAGE, REVERSE ? first + j - 1 : first + j + 1);
+    cp_async_commit();
+    cp_async_wait1();
+  } else {
+    cp_async_wait_all();
+  }
+  if constexpr (WGMMA) fence_async_smem();  // the stage's cp.async writes, then wgmma's reads
+  __syncthreads();
+  return st;
+}
+
 // Rows of a.runs: (first chunk, chunks, idx, src). Walk (!SUMMARY): the state enters from a.fold[idx]
 // when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written, and the
 // state leaving row r to a.walk_out[r] when that is set.
@@ -491,37 +533,23 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   // wgmma's swizzle is on address bits: its B tiles must start on 1024-byte boundaries of the window
   if (Sh::WGMMA && (smem_u32(smem) & 1023) != 0) __trap();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int r = blockIdx.x, h = blockIdx.y, H = a.H;
-  const int vz = blockIdx.z * WCOLS;
-  const bool withU = !SUMMARY || vz >= D;  // the E part (or the walk) carries U; the M part does not
-  const int col0 = vz & (D - 1);
-  const int vloc = warp * 16, vcol = col0 + vloc;
-  const int g4 = lane >> 2, l4 = lane & 3;
-  const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], ssrc = a.runs[4 * r + 3];
-
+  const WalkCta<SUMMARY, WCOLS> w(a, threadIdx.x);
+  const int lane = w.lane, warp = w.warp, r = w.r, h = w.h, H = w.H, col0 = w.col0, vloc = w.vloc, vcol = w.vcol,
+            g4 = w.g4, l4 = w.l4, first = w.first, nc = w.nc, sidx = w.sidx;
+  const bool withU = w.carries;  // the E part (or the walk) carries U; the M part does not
   float ST[16][4];
   {
     const float* src = nullptr;
     if (!SUMMARY) {
-      if (ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
+      if (w.ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
       else if (a.state_in != nullptr && sidx >= 0) src = a.state_in + (static_cast<int64_t>(sidx) * H + h) * D * D;
     }
     state_tile_init<!SUMMARY>(ST, src, !withU, vcol, g4, l4);
   }
-  if (nc > 0) fwd_stage_load<NW>(smem, a, first, h, col0, withU);
-  cp_async_commit();
+  auto load = [&](char* st, int c) { fwd_stage_load<NW>(st, a, c, h, col0, withU); };
+  walk_stage_first<false>(smem, first, nc, load);
   for (int j = 0; j < nc; ++j) {
-    char* st = smem + (j & 1) * FW_STAGE;
-    if (j + 1 < nc) {
-      fwd_stage_load<NW>(smem + ((j + 1) & 1) * FW_STAGE, a, first + j + 1, h, col0, withU);
-      cp_async_commit();
-      cp_async_wait1();
-    } else {
-      cp_async_wait_all();
-    }
-    if constexpr (Sh::WGMMA) fence_async_smem();  // the stage's cp.async writes, then wgmma's reads
-    __syncthreads();
+    char* st = walk_stage_next<Sh::WGMMA, false, FW_STAGE>(smem, j, j, first, nc, load);
     const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::FW_W);
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::FW_KG);
     const uint16_t* sU = reinterpret_cast<const uint16_t*>(st + Sh::FW_U);
@@ -602,40 +630,25 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
   extern __shared__ __align__(128) char smem[];
   // wgmma's swizzle is on address bits: its B tiles must start on 1024-byte boundaries of the window
   if (Sh::WGMMA && (smem_u32(smem) & 1023) != 0) __trap();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int r = blockIdx.x, h = blockIdx.y, H = a.H;
-  const int vz = blockIdx.z * WCOLS;        // virtual column base of the CTA
-  const bool withF = !SUMMARY || vz >= D;   // the F part (dO terms) vs the M^T part
-  const int col0 = vz & (D - 1);
-  const int vloc = warp * 16, vcol = col0 + vloc;
-  const int g4 = lane >> 2, l4 = lane & 3;
-  // rows (first chunk, chunks, idx, src): like the forward walk, with dstate_out; SUMMARY writes
-  // mt_out[idx] / f_out[idx]
-  const int first = a.runs[4 * r], nc = a.runs[4 * r + 1], sidx = a.runs[4 * r + 2], ssrc = a.runs[4 * r + 3];
-
+  // rows of a.runs as in the forward walk, the state entering from a.dstate_out; a summary writes mt_out / f_out
+  const WalkCta<SUMMARY, WCOLS> w(a, threadIdx.x);
+  const int lane = w.lane, warp = w.warp, r = w.r, h = w.h, H = w.H, col0 = w.col0, vloc = w.vloc, vcol = w.vcol,
+            g4 = w.g4, l4 = w.l4, first = w.first, nc = w.nc, sidx = w.sidx;
+  const bool withF = w.carries;  // the F part (dO terms) vs the M^T part
   float ST[16][4];
   {
     const float* src = nullptr;
     if (!SUMMARY) {
-      if (ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
+      if (w.ssrc == 1) src = a.fold + (static_cast<int64_t>(sidx) * H + h) * D * D;
       else if (a.dstate_out != nullptr && sidx >= 0) src = a.dstate_out + (static_cast<int64_t>(sidx) * H + h) * D * D;
     }
     state_tile_init<!SUMMARY>(ST, src, !withF, vcol, g4, l4);
   }
-  if (nc > 0) rev_stage_load<NW>(smem, a, first + nc - 1, h, col0, withF);
-  cp_async_commit();
+  auto load = [&](char* st, int c) { rev_stage_load<NW>(st, a, c, h, col0, withF); };
+  walk_stage_first<true>(smem, first, nc, load);
   for (int jj = 0; jj < nc; ++jj) {
     const int j = nc - 1 - jj;
-    char* st = smem + (jj & 1) * RW_STAGE;
-    if (j > 0) {
-      rev_stage_load<NW>(smem + ((jj + 1) & 1) * RW_STAGE, a, first + j - 1, h, col0, withF);
-      cp_async_commit();
-      cp_async_wait1();
-    } else {
-      cp_async_wait_all();
-    }
-    if constexpr (Sh::WGMMA) fence_async_smem();
-    __syncthreads();
+    char* st = walk_stage_next<Sh::WGMMA, true, RW_STAGE>(smem, jj, j, first, nc, load);
     const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::RW_W);
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::RW_KG);
     const bf16* sQg = reinterpret_cast<const bf16*>(st + Sh::RW_QG);
