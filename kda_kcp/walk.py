@@ -41,9 +41,14 @@ class Steps:
         return cls(len(counts), chunks, runs)
 
 
-def _zeros_state(prep: Prep, n: int) -> torch.Tensor:
+def _walk_buffers(prep: Prep, R: int, start: torch.Tensor | None, summary: bool):
+    """What a walk over R runs works in: its state (a copy of ``start`` [R, H, K, V], zeros when None), the per-chunk
+    output [N, H, K, V] it fills, and with ``summary`` the identity [R, H, K, K] its chunk maps multiply into."""
     H, K, V = prep.W.shape[1], prep.W.shape[-1], prep.U.shape[-1]
-    return prep.W.new_zeros(n, H, K, V)
+    S = prep.W.new_zeros(R, H, K, V) if start is None else start.to(prep.W.dtype).clone()
+    per_chunk = torch.empty(prep.W.shape[0], H, K, V, dtype=S.dtype, device=S.device)
+    maps = torch.eye(K, dtype=S.dtype, device=S.device).expand(R, H, K, K).clone() if summary else None
+    return S, per_chunk, maps
 
 
 def state_walk(prep: Prep, steps: Steps, state_in: torch.Tensor | None = None, summary: bool = False):
@@ -53,13 +58,7 @@ def state_walk(prep: Prep, steps: Steps, state_in: torch.Tensor | None = None, s
     each run, and (when ``summary``) M [R, H, K, K] the product of the run's chunk maps, so that
     state_out = M state_in + E with E the state_out of a zero start.
     """
-    R = steps.num_runs
-    S = _zeros_state(prep, R) if state_in is None else state_in.to(prep.W.dtype).clone()
-    h = torch.empty(prep.W.shape[0], *S.shape[1:], dtype=S.dtype, device=S.device)
-    M = None
-    if summary:
-        K = prep.W.shape[-1]
-        M = torch.eye(K, dtype=S.dtype, device=S.device).expand(R, S.shape[1], K, K).clone()
+    S, h, M = _walk_buffers(prep, steps.num_runs, state_in, summary)
     for c, r in zip(steps.chunks, steps.runs):
         p = prep.take(c)
         s = S.index_select(0, r)
@@ -80,13 +79,7 @@ def reverse_walk(
     dstate_in [R, H, K, V], and (when ``summary``) Mt = M^T of each run, so that
     dstate_in = Mt dstate_out + F with F the dstate_in of a zero start.
     """
-    R = steps.num_runs
-    dS = _zeros_state(prep, R) if dstate_out is None else dstate_out.to(prep.W.dtype).clone()
-    dh = torch.empty(prep.W.shape[0], *dS.shape[1:], dtype=dS.dtype, device=dS.device)
-    Mt = None
-    if summary:
-        K = prep.W.shape[-1]
-        Mt = torch.eye(K, dtype=dS.dtype, device=dS.device).expand(R, dS.shape[1], K, K).clone()
+    dS, dh, Mt = _walk_buffers(prep, steps.num_runs, dstate_out, summary)
     for c, r in zip(reversed(steps.chunks), reversed(steps.runs)):
         # reversed steps visit each run's chunks last-first; runs shorter than the step count join late,
         # at their own last chunk, which is exactly where their walk starts.
