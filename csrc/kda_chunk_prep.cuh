@@ -68,6 +68,56 @@ constexpr int P_GA = P_TOT + 2048;       // fp32 [4][128]
 constexpr int P_GL = P_GA + 2048;        // fp32 [128]
 constexpr int SMEM = P_GL + 512;
 
+// The map above as typed tiles, one accessor each: what the tile holds, its type and layout (sw128 / sw64: the
+// swizzled rows of kda_common.cuh), who makes and who reads it, and which dead tile it lies over. The prep's functions
+// reach shared memory only through it.
+struct PrepSmem {
+  char* base;
+  // ---- phase A (rows_and_blocks writes them, lq_block reads them) ----
+  // K_r = K o exp(G - G_a), bf16 sw128 [64][128]
+  __device__ __forceinline__ __nv_bfloat16* kr() const { return reinterpret_cast<__nv_bfloat16*>(base + P_KR); }
+  // Q_r = Q o exp(G - G_a), bf16 sw128 [64][128], hi and lo parts
+  __device__ __forceinline__ __nv_bfloat16* qr_hi() const { return reinterpret_cast<__nv_bfloat16*>(base + P_QRH); }
+  __device__ __forceinline__ __nv_bfloat16* qr_lo() const { return reinterpret_cast<__nv_bfloat16*>(base + P_QRL); }
+  // Cc = K o exp(G_a - G), bf16 sw128 [64][128], hi and lo parts
+  __device__ __forceinline__ __nv_bfloat16* cc_hi() const { return reinterpret_cast<__nv_bfloat16*>(base + P_CCH); }
+  __device__ __forceinline__ __nv_bfloat16* cc_lo() const { return reinterpret_cast<__nv_bfloat16*>(base + P_CCL); }
+  // ---- phase B (over phase A's tiles, dead once L and Aqk are done) ----
+  // X = K o exp(G), bf16 sw128 [64][128], over K_r: staged by rows_and_blocks, W's B operand
+  __device__ __forceinline__ __nv_bfloat16* x() const { return reinterpret_cast<__nv_bfloat16*>(base + P_X); }
+  // A = (I + L)^-1, fp32 [64][LDL], over Q_r hi and the start of lo: the inverse writes it, A diag(beta) reads it
+  __device__ __forceinline__ float* a_inv() const { return reinterpret_cast<float*>(base + P_A); }
+  // A diag(beta), bf16 sw64 [64][64], hi and lo parts, over Q_r lo and the start of Cc hi (the forward's staged Qg:
+  // written once that is copied out): W's (and U's) A operand
+  __device__ __forceinline__ __nv_bfloat16* ab_hi() const { return reinterpret_cast<__nv_bfloat16*>(base + P_ABH); }
+  __device__ __forceinline__ __nv_bfloat16* ab_lo() const { return reinterpret_cast<__nv_bfloat16*>(base + P_ABL); }
+  // the forward's Qg = s Q o exp(G) and Kg = K o exp(G_63 - G), fp16 sw128 [64][128], over Cc hi / lo: staged by
+  // rows_and_blocks, copied to the record during the inverse's diagonal blocks
+  __device__ __forceinline__ __half* qg_stage() const { return reinterpret_cast<__half*>(base + P_QGS); }
+  __device__ __forceinline__ __half* kg_stage() const { return reinterpret_cast<__half*>(base + P_KGS); }
+  // the backward's V, bf16 sw128 [64][128], over Cc lo: cp.async after L and Aqk, U's B operand
+  __device__ __forceinline__ __nv_bfloat16* v() const { return reinterpret_cast<__nv_bfloat16*>(base + P_V); }
+  // ---- past phase A's region (P_AEND ..) ----
+  // q, bf16 row-major [64][128], over L (unused until the products): cp.async at the start, read into Q_r
+  __device__ __forceinline__ __nv_bfloat16* q() const { return reinterpret_cast<__nv_bfloat16*>(base + P_L); }
+  // L = diag(beta) (K_r Cc^T) strictly below the diagonal, fp32 [64][LDL], over q: lq_block writes it, the inverse
+  // reads it
+  __device__ __forceinline__ float* l() const { return reinterpret_cast<float*>(base + P_L); }
+  // beta, fp32 [64]: loaded at the start, read into L and A diag(beta)
+  __device__ __forceinline__ float* beta() const { return reinterpret_cast<float*>(base + P_BETA); }
+  // the gates' per-block totals, fp32 [4][128]: live only for the cumsum's block offsets
+  __device__ __forceinline__ float* tot() const { return reinterpret_cast<float*>(base + P_TOT); }
+  // per-block anchors' factors 2^(m_I - m_J), bf16 pairs [6][64] at cf_word, over the dead totals: rows_and_blocks
+  // writes them, lq_block reads them
+  __device__ __forceinline__ uint32_t* cf() const { return reinterpret_cast<uint32_t*>(base + P_CF); }
+  // the backward's per-warp max |U|, fp32 [8], over the dead totals (the factors are dead too by then)
+  __device__ __forceinline__ float* u_max() const { return reinterpret_cast<float*>(base + P_TOT); }
+  // the cumulative gates at each row block's first row (the anchors' G_a), fp32 [4][128]: made by the cumsum
+  __device__ __forceinline__ float* g_first() const { return reinterpret_cast<float*>(base + P_GA); }
+  // G_63, the chunk's last cumulative gates, fp32 [128]: made by the cumsum, Kg's factor
+  __device__ __forceinline__ float* g_last() const { return reinterpret_cast<float*>(base + P_GL); }
+};
+
 // d += (ah + al) b in 3xTF32 (hi x hi + hi x lo + lo x hi), b = this thread's two k slots of a B fragment (b.x: slot
 // t, b.y: slot t + 4), split by truncation.
 __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4], float2 b) {
@@ -200,9 +250,9 @@ struct Anchor<false> {
   __device__ __forceinline__ float abs() const { return fex2_ftz(m); }
 };
 
-// Per-block anchors: the word of P_CF that holds the factors 2^(m_I - m_J) of column pair c (columns 2c, 2c + 1) for
-// the block pair (I, J), J < I, placed so that an mma B fragment's two column pairs (d, d + 1 and d + 8, d + 9 with
-// d = 16 ks + 2 l4) are one 64-bit load
+// Per-block anchors: the word of PrepSmem::cf() that holds the factors 2^(m_I - m_J) of column pair c (columns 2c,
+// 2c + 1) for the block pair (I, J), J < I, placed so that an mma B fragment's two column pairs (d, d + 1 and d + 8,
+// d + 9 with d = 16 ks + 2 l4) are one 64-bit load
 __device__ __forceinline__ int cf_word(int I, int J, int c) {
   return ((I * (I - 1)) / 2 + J) * 64 + (c & ~7) + ((c & 3) << 1) + ((c >> 2) & 1);
 }
@@ -213,15 +263,7 @@ __device__ __forceinline__ int cf_word(int I, int J, int c) {
 // <= 1, = 1 on the diagonal) is applied to the Cc fragment in registers, one exact bf16 multiply per word of hi and
 // of lo, so one Cc tile serves every block and no block waits for another.
 template <class Rec, bool PER_BLOCK, bool DO_L, bool DO_Q>
-__device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, float scale, int lane) {
-  const __nv_bfloat16* sKr = reinterpret_cast<const __nv_bfloat16*>(smem + P_KR);
-  const __nv_bfloat16* sQrh = reinterpret_cast<const __nv_bfloat16*>(smem + P_QRH);
-  const __nv_bfloat16* sQrl = reinterpret_cast<const __nv_bfloat16*>(smem + P_QRL);
-  const __nv_bfloat16* sCch = reinterpret_cast<const __nv_bfloat16*>(smem + P_CCH);
-  const __nv_bfloat16* sCcl = reinterpret_cast<const __nv_bfloat16*>(smem + P_CCL);
-  const uint32_t* sCf = reinterpret_cast<const uint32_t*>(smem + P_CF);
-  const float* sBeta = reinterpret_cast<const float*>(smem + P_BETA);
-  float* sL = reinterpret_cast<float*>(smem + P_L);
+__device__ __forceinline__ float lq_block(int I, int J, PrepSmem sm, char* rec, float scale, int lane) {
   const int g4 = lane >> 2, l4 = lane & 3;
   constexpr bool kLo = DO_Q || Rec::kBwd;  // Cc's lo part enters a product
   float accL[2][4], accQ[2][4];
@@ -230,10 +272,10 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
 #pragma unroll 2
   for (int ks = 0; ks < 8; ++ks) {
     uint32_t bh[4], bl[4];
-    ldb<128>(bh, sCch, ks * 16, J * 16, lane);
-    if (kLo) ldb<128>(bl, sCcl, ks * 16, J * 16, lane);
+    ldb<128>(bh, sm.cc_hi(), ks * 16, J * 16, lane);
+    if (kLo) ldb<128>(bl, sm.cc_lo(), ks * 16, J * 16, lane);
     if (PER_BLOCK && I > J) {  // Cc_J o 2^(m_I - m_J) on the fragment's columns d, d + 1 (b[0], b[2]), d + 8, d + 9
-      const uint2 f = *reinterpret_cast<const uint2*>(sCf + cf_word(I, J, ks * 8 + l4));
+      const uint2 f = *reinterpret_cast<const uint2*>(sm.cf() + cf_word(I, J, ks * 8 + l4));
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         bh[e] = bf16x2_mul(bh[e], (e & 1) ? f.y : f.x);
@@ -242,15 +284,15 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
     }
     if constexpr (DO_Q) {
       uint32_t ah[4], al[4];
-      lda<128>(ah, sQrh, I * 16, ks * 16, lane);
-      lda<128>(al, sQrl, I * 16, ks * 16, lane);
+      lda<128>(ah, sm.qr_hi(), I * 16, ks * 16, lane);
+      lda<128>(al, sm.qr_lo(), I * 16, ks * 16, lane);
       mma_n16(accQ[0], accQ[1], ah, bh);
       mma_n16(accQ[0], accQ[1], ah, bl);
       mma_n16(accQ[0], accQ[1], al, bh);
     }
     if constexpr (DO_L) {
       uint32_t af[4];
-      lda<128>(af, sKr, I * 16, ks * 16, lane);
+      lda<128>(af, sm.kr(), I * 16, ks * 16, lane);
       mma_n16(accL[0], accL[1], af, bh);
       if constexpr (Rec::kBwd) mma_n16(accL[0], accL[1], af, bl);  // K_r hi x Cc lo too (K_r's lo has no room)
     }
@@ -269,7 +311,7 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
       const int i = I * 16 + r, j = J * 16 + c;
       if constexpr (DO_L) {
         float x0 = accL[n][e2 * 2], x1 = accL[n][e2 * 2 + 1];
-        const float bi = sBeta[i];
+        const float bi = sm.beta()[i];
         if constexpr (Rec::kBwd) {  // P = L before diag(beta)
           x0 = (I > J || j < i) ? x0 : 0.f;
           x1 = (I > J || j + 1 < i) ? x1 : 0.f;
@@ -280,7 +322,7 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
           x0 = (I > J || j < i) ? x0 * bi : 0.f;
           x1 = (I > J || j + 1 < i) ? x1 * bi : 0.f;
         }
-        *reinterpret_cast<float2*>(sL + i * LDL + j) = make_float2(x0, x1);
+        *reinterpret_cast<float2*>(sm.l() + i * LDL + j) = make_float2(x0, x1);
       }
       if constexpr (DO_Q) {
         const float x0 = (I > J || j <= i) ? accQ[n][e2 * 2] * scale : 0.f;
@@ -308,15 +350,15 @@ __device__ __forceinline__ float lq_block(int I, int J, char* smem, char* rec, f
 // products do not overflow (bf16 for Cc: |k| of about 1e6 under gates of -5 per token, values whose chunk products
 // are garbage anyway). A few FFMA in two warps instead of a probe of every q and k value in every thread.
 template <class Rec, bool PER_BLOCK>
-__device__ __forceinline__ void lq_blocks(char* smem, char* rec, float scale, int* status, int warp, int lane) {
+__device__ __forceinline__ void lq_blocks(PrepSmem sm, char* rec, float scale, int* status, int warp, int lane) {
   if (warp < 6) {
     const int I = warp < 1 ? 1 : (warp < 3 ? 2 : 3), J = warp - (I * (I - 1)) / 2;
-    lq_block<Rec, PER_BLOCK, true, true>(I, J, smem, rec, scale, lane);
-    if (warp < 4) lq_block<Rec, PER_BLOCK, true, false>(warp, warp, smem, rec, scale, lane);
+    lq_block<Rec, PER_BLOCK, true, true>(I, J, sm, rec, scale, lane);
+    if (warp < 4) lq_block<Rec, PER_BLOCK, true, false>(warp, warp, sm, rec, scale, lane);
   } else {
     const int I = 2 * (warp - 6);
-    const float probe = lq_block<Rec, PER_BLOCK, false, true>(I, I, smem, rec, scale, lane) +
-                        lq_block<Rec, PER_BLOCK, false, true>(I + 1, I + 1, smem, rec, scale, lane);
+    const float probe = lq_block<Rec, PER_BLOCK, false, true>(I, I, sm, rec, scale, lane) +
+                        lq_block<Rec, PER_BLOCK, false, true>(I + 1, I + 1, sm, rec, scale, lane);
     status::report(status, status::probe_code_f32(probe));
   }
 }
@@ -384,39 +426,27 @@ __device__ __forceinline__ void prefetch_successor(const Inputs& a, int tid) {
 // one row block, so its anchor and G_e are its own first and last rows. X (and the forward's Qg, Kg: 48 words)
 // wait in registers, packed, while L and Aqk take the tiles, and k and G die early.
 template <class Rec, bool ONE>
-__device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char* smem, const float (&G0)[16],
+__device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, PrepSmem sm, const float (&G0)[16],
                                                 const float (&G1)[16], const uint32_t (&kk)[16], int64_t tok,
                                                 int nrows, int h) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int H = a.H;
-  __nv_bfloat16* sKr = reinterpret_cast<__nv_bfloat16*>(smem + P_KR);
-  __nv_bfloat16* sQrh = reinterpret_cast<__nv_bfloat16*>(smem + P_QRH);
-  __nv_bfloat16* sQrl = reinterpret_cast<__nv_bfloat16*>(smem + P_QRL);
-  __nv_bfloat16* sCch = reinterpret_cast<__nv_bfloat16*>(smem + P_CCH);
-  __nv_bfloat16* sCcl = reinterpret_cast<__nv_bfloat16*>(smem + P_CCL);
-  __nv_bfloat16* sX = reinterpret_cast<__nv_bfloat16*>(smem + P_X);
-  __half* sQgS = reinterpret_cast<__half*>(smem + P_QGS);
-  __half* sKgS = reinterpret_cast<__half*>(smem + P_KGS);
-  const float* sGa = reinterpret_cast<const float*>(smem + P_GA);
-  const float* sGl = reinterpret_cast<const float*>(smem + P_GL);
-  const __nv_bfloat16* sQ = reinterpret_cast<const __nv_bfloat16*>(smem + P_L);
   const int cp = tid & 63, rq = tid >> 6;
   const int d0 = cp * 2;
 
-  const Anchor<ONE> an0(ONE ? sGa[d0] : G0[0]), an1(ONE ? sGa[d0 + 1] : G1[0]);
-  const float gl0 = sGl[d0], gl1 = sGl[d0 + 1];
+  const Anchor<ONE> an0(ONE ? sm.g_first()[d0] : G0[0]), an1(ONE ? sm.g_first()[d0 + 1] : G1[0]);
+  const float gl0 = sm.g_last()[d0], gl1 = sm.g_last()[d0 + 1];
   const float ex0 = an0.abs(), ex1 = an1.abs();                    // exp(G_a)
   const float eq0 = a.scale * ex0, eq1 = a.scale * ex1;           // s exp(G_a)
   // Kg = Cc o ek o el: ek = exp(G_63 - G_a), el = 1 (ONE); ek = exp(G_e - G_a), el = exp(G_63 - G_e) (per block)
   const float ek0 = an0.rel(ONE ? gl0 : G0[15]), ek1 = an1.rel(ONE ? gl1 : G1[15]);
   const float el0 = ONE ? 1.f : fexp_ftz(gl0 - G0[15]), el1 = ONE ? 1.f : fexp_ftz(gl1 - G1[15]);
   if constexpr (!ONE) {  // the factors 2^(m_I - m_J) of this thread's column pair, I = rq, for every J < I (lq_block)
-    uint32_t* sCf = reinterpret_cast<uint32_t*>(smem + P_CF);
 #pragma unroll
     for (int J = 0; J < 3; ++J) {
       if (J < rq) {
-        const float2 ga = *reinterpret_cast<const float2*>(sGa + J * D + d0);
-        sCf[cf_word(rq, J, cp)] =
+        const float2 ga = *reinterpret_cast<const float2*>(sm.g_first() + J * D + d0);
+        sm.cf()[cf_word(rq, J, cp)] =
             pack_bf16(fex2_ftz(an0.m - Anchor<false>(ga.x).m), fex2_ftz(an1.m - Anchor<false>(ga.y).m));
       }
     }
@@ -426,19 +456,19 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
   for (int i = 0; i < 16; ++i) {
     const int j = rq * 16 + i;
     const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
-    const uint32_t qw = *reinterpret_cast<const uint32_t*>(sQ + j * D + d0);
+    const uint32_t qw = *reinterpret_cast<const uint32_t*>(sm.q() + j * D + d0);
     const float2 qf = bf2_to_f2(qw);
     const float e0 = an0.rel(G0[i]), e1 = an1.rel(G1[i]);  // <= 1
     const float kr0 = kf.x * e0, kr1 = kf.y * e1, qr0 = qf.x * e0, qr1 = qf.y * e1;
-    *reinterpret_cast<uint32_t*>(sKr + sw128(j, d0)) = pack_bf16(kr0, kr1);
+    *reinterpret_cast<uint32_t*>(sm.kr() + sw128(j, d0)) = pack_bf16(kr0, kr1);
     uint32_t hi, lo;
     split2(qr0, qr1, hi, lo);
-    *reinterpret_cast<uint32_t*>(sQrh + sw128(j, d0)) = hi;
-    *reinterpret_cast<uint32_t*>(sQrl + sw128(j, d0)) = lo;
+    *reinterpret_cast<uint32_t*>(sm.qr_hi() + sw128(j, d0)) = hi;
+    *reinterpret_cast<uint32_t*>(sm.qr_lo() + sw128(j, d0)) = lo;
     const float cc0 = kf.x * frcp(e0), cc1 = kf.y * frcp(e1);  // K o exp(G_a - G) >= 1 (e0, e1 >= e^-80)
     split2(cc0, cc1, hi, lo);
-    *reinterpret_cast<uint32_t*>(sCch + sw128(j, d0)) = hi;
-    *reinterpret_cast<uint32_t*>(sCcl + sw128(j, d0)) = lo;
+    *reinterpret_cast<uint32_t*>(sm.cc_hi() + sw128(j, d0)) = hi;
+    *reinterpret_cast<uint32_t*>(sm.cc_lo() + sw128(j, d0)) = lo;
     xr[i] = pack_bf16(kr0 * ex0, kr1 * ex1);  // X = K o exp(G - G_a) exp(G_a), either path
     if constexpr (!Rec::kBwd) {
       qgr[i] = pack_f16(qr0 * eq0, qr1 * eq1);
@@ -452,23 +482,22 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, char
   __syncthreads();
 
   // ---- L and Aqk by 16x16 block (I, J), J <= I, all at once (and the q / k finiteness check) ----
-  lq_blocks<Rec, !ONE>(smem, rec, a.scale, a.status, warp, lane);
+  lq_blocks<Rec, !ONE>(sm, rec, a.scale, a.status, warp, lane);
   __syncthreads();
 
   if constexpr (Rec::kBwd) {  // V (for U) lands while X is formed and A inverted
-    __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + P_V);
-    load_rows<NT, C, D / 8>(sV, D, static_cast<const __nv_bfloat16*>(a.v) + (tok * H + h) * D, static_cast<int64_t>(H) * D,
-                            nrows, tid, [](int r, int c) { return sw128(r, c); });
+    load_rows<NT, C, D / 8>(sm.v(), D, static_cast<const __nv_bfloat16*>(a.v) + (tok * H + h) * D,
+                            static_cast<int64_t>(H) * D, nrows, tid, [](int r, int c) { return sw128(r, c); });
     cp_async_commit();
   }
   // ---- X over the dead Kr tile; the forward's Qg and Kg staged in the dead Cc tiles ----
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int j = rq * 16 + i;
-    *reinterpret_cast<uint32_t*>(sX + sw128(j, d0)) = xr[i];
+    *reinterpret_cast<uint32_t*>(sm.x() + sw128(j, d0)) = xr[i];
     if constexpr (!Rec::kBwd) {
-      *reinterpret_cast<uint32_t*>(sQgS + sw128(j, d0)) = qgr[i];
-      *reinterpret_cast<uint32_t*>(sKgS + sw128(j, d0)) = kgr[i];
+      *reinterpret_cast<uint32_t*>(sm.qg_stage() + sw128(j, d0)) = qgr[i];
+      *reinterpret_cast<uint32_t*>(sm.kg_stage() + sw128(j, d0)) = kgr[i];
     }
   }
 }
@@ -496,15 +525,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(a.k);
   const __nv_bfloat16* beta = static_cast<const __nv_bfloat16*>(a.beta);
 
-  const __nv_bfloat16* sX = reinterpret_cast<const __nv_bfloat16*>(smem + P_X);
-  float* sA = reinterpret_cast<float*>(smem + P_A);
-  __nv_bfloat16* sAbh = reinterpret_cast<__nv_bfloat16*>(smem + P_ABH);
-  __nv_bfloat16* sAbl = reinterpret_cast<__nv_bfloat16*>(smem + P_ABL);
-  float* sL = reinterpret_cast<float*>(smem + P_L);
-  float* sBeta = reinterpret_cast<float*>(smem + P_BETA);
-  float* sTot = reinterpret_cast<float*>(smem + P_TOT);
-  float* sGa = reinterpret_cast<float*>(smem + P_GA);
-  float* sGl = reinterpret_cast<float*>(smem + P_GL);
+  const PrepSmem sm{smem};
 
   const int cp = tid & 63, rq = tid >> 6;  // columns 2cp, 2cp + 1 of rows 16 rq .. 16 rq + 15
   const int d0 = cp * 2;
@@ -533,13 +554,13 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
   }
   // q lands in shared memory (the L tile, unused until the products) while g is summed: row-major [64][128]
   // bf16 in 16-byte pieces, rows past the chunk zero-filled; waited for at the second barrier
-  load_rows<NT, C, D / 8>(reinterpret_cast<__nv_bfloat16*>(smem + P_L), D, q + (tok * H + h) * D, rstride, nrows, tid,
+  load_rows<NT, C, D / 8>(sm.q(), D, q + (tok * H + h) * D, rstride, nrows, tid,
                           [](int r, int c) { return r * D + c; });
   cp_async_commit();
   unsigned bad = 0u;  // the domain check of the gates and beta this thread holds (kda_status.cuh)
   if (tid < C) {
     const float b = (tid < nrows) ? __bfloat162float(beta[(tok + tid) * H + h]) : 0.f;
-    sBeta[tid] = b;
+    sm.beta()[tid] = b;
     bad = status::beta_code(b);
   }
   {
@@ -555,47 +576,47 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     G0[i] += G0[i - 1];
     G1[i] += G1[i - 1];
   }
-  sTot[rq * D + d0] = G0[15];
-  sTot[rq * D + d0 + 1] = G1[15];
+  sm.tot()[rq * D + d0] = G0[15];
+  sm.tot()[rq * D + d0 + 1] = G1[15];
   __syncthreads();
   {
     float o0 = 0.f, o1 = 0.f;
     for (int qb = 0; qb < rq; ++qb) {
-      o0 += sTot[qb * D + d0];
-      o1 += sTot[qb * D + d0 + 1];
+      o0 += sm.tot()[qb * D + d0];
+      o1 += sm.tot()[qb * D + d0 + 1];
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       G0[i] += o0;
       G1[i] += o1;
     }
-    sGa[rq * D + d0] = G0[0];
-    sGa[rq * D + d0 + 1] = G1[0];
+    sm.g_first()[rq * D + d0] = G0[0];
+    sm.g_first()[rq * D + d0 + 1] = G1[0];
     if (rq == 3) {  // G_63 (the sums include row 0's gate, so -G_63 bounds G_0 - G_63)
-      sGl[d0] = G0[15];
-      sGl[d0 + 1] = G1[15];
+      sm.g_last()[d0] = G0[15];
+      sm.g_last()[d0 + 1] = G1[15];
       *reinterpret_cast<float2*>(Rec::gamma(rec) + d0) = make_float2(fexp_ftz(G0[15]), fexp_ftz(G1[15]));
     }
   }
   cp_async_wait_all();  // this thread's q pieces, visible to all after the barrier
   const bool one_anchor = !__syncthreads_or(rq == 3 && fminf(G0[15], G1[15]) < -kOneAnchor);
 
-  if (one_anchor) rows_and_blocks<Rec, true>(a, rec, smem, G0, G1, kk, tok, nrows, h);
-  else rows_and_blocks<Rec, false>(a, rec, smem, G0, G1, kk, tok, nrows, h);
+  if (one_anchor) rows_and_blocks<Rec, true>(a, rec, sm, G0, G1, kk, tok, nrows, h);
+  else rows_and_blocks<Rec, false>(a, rec, sm, G0, G1, kk, tok, nrows, h);
 
   __syncthreads();  // the staged tiles are complete before A overwrites Qr
   // ---- A = (I + L)^-1: diagonal blocks (column-oriented substitution, FP32), then levels (3xTF32) ----
   // (threads 0 .. 63, a serial chain; meanwhile the forward's other warps copy the staged Qg and Kg to the
   // record in 16-byte pieces, before A diag(beta) and the inverse's levels touch shared memory near them)
   if (tid < 64) {
-    invert_diag_blocks<LDL>(sL, sA, tid);
+    invert_diag_blocks<LDL>(sm.l(), sm.a_inv(), tid);
   } else if constexpr (!Rec::kBwd) {
     for (int p = tid - 64; p < C * D * 2 / 16; p += NT - 64)
-      Rec::qg_kg_piece(rec, p, *reinterpret_cast<const uint4*>(smem + P_QGS + p * 16),
-                       *reinterpret_cast<const uint4*>(smem + P_KGS + p * 16));
+      Rec::qg_kg_piece(rec, p, reinterpret_cast<const uint4*>(sm.qg_stage())[p],
+                       reinterpret_cast<const uint4*>(sm.kg_stage())[p]);
   }
   __syncthreads();
-  inverse_offdiag(sL, sA, warp, lane);
+  inverse_offdiag(sm.l(), sm.a_inv(), warp, lane);
   // A diag(beta) as bf16 hi + lo: sw64 tiles for W below; to the record the forward's lower blocks of it,
   // the backward's A (before diag(beta)) as a whole [64][64]
   for (int e = tid; e < C * C / 2; e += NT) {
@@ -603,19 +624,20 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
     uint32_t hi, lo;
     float x0, x1;
     if constexpr (Rec::kBwd) {
-      const float a0 = (j <= i) ? sA[i * LDL + j] : 0.f, a1 = (j + 1 <= i) ? sA[i * LDL + j + 1] : 0.f;
+      const float a0 = (j <= i) ? sm.a_inv()[i * LDL + j] : 0.f;
+      const float a1 = (j + 1 <= i) ? sm.a_inv()[i * LDL + j + 1] : 0.f;
       split2(a0, a1, hi, lo);
       if ((j >> 4) <= (i >> 4))  // the lower blocks only (kda_bwd.h); A as hi only (the gradient kernel's A)
         *reinterpret_cast<uint32_t*>(Rec::a_hi(rec) + i * C + j) = hi;
-      x0 = a0 * sBeta[j];
-      x1 = a1 * sBeta[j + 1];
+      x0 = a0 * sm.beta()[j];
+      x1 = a1 * sm.beta()[j + 1];
     } else {
-      x0 = (j <= i) ? sA[i * LDL + j] * sBeta[j] : 0.f;
-      x1 = (j + 1 <= i) ? sA[i * LDL + j + 1] * sBeta[j + 1] : 0.f;
+      x0 = (j <= i) ? sm.a_inv()[i * LDL + j] * sm.beta()[j] : 0.f;
+      x1 = (j + 1 <= i) ? sm.a_inv()[i * LDL + j + 1] * sm.beta()[j + 1] : 0.f;
     }
     split2(x0, x1, hi, lo);
-    *reinterpret_cast<uint32_t*>(sAbh + sw64(i, j)) = hi;
-    *reinterpret_cast<uint32_t*>(sAbl + sw64(i, j)) = lo;
+    *reinterpret_cast<uint32_t*>(sm.ab_hi() + sw64(i, j)) = hi;
+    *reinterpret_cast<uint32_t*>(sm.ab_lo() + sw64(i, j)) = lo;
     if constexpr (!Rec::kBwd) {
       const int I = i >> 4, J = j >> 4;
       if (J <= I) Rec::ab(rec, I, J, i & 15, j & 15, pack_f16(x0, x1));
@@ -632,7 +654,7 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
                            // hold every row of V's columns 32 nq .. (the warps of mp = 0; kda_status.cuh)
 #pragma unroll
   for (int which = 0; which < (Rec::kBwd ? 2 : 1); ++which) {
-    const __nv_bfloat16* B = which == 0 ? sX : reinterpret_cast<const __nv_bfloat16*>(smem + P_V);
+    const __nv_bfloat16* B = which == 0 ? sm.x() : sm.v();
     float acc[2][4][4];
 #pragma unroll
     for (int u = 0; u < 2; ++u)
@@ -647,8 +669,8 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
       for (int ks = 0; ks < 4; ++ks) {
         if (ks <= m) {
           uint32_t ah[4], al[4];
-          lda<64>(ah, sAbh, m * 16, ks * 16, lane);
-          lda<64>(al, sAbl, m * 16, ks * 16, lane);
+          lda<64>(ah, sm.ab_hi(), m * 16, ks * 16, lane);
+          lda<64>(al, sm.ab_lo(), m * 16, ks * 16, lane);
 #pragma unroll
           for (int np = 0; np < 2; ++np) {
             uint32_t b[4];
@@ -677,12 +699,11 @@ __device__ __forceinline__ void prep_chunk(const Inputs& a, char* rec, char* sme
             for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(acc[u][n][e]));
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        float* sMax = reinterpret_cast<float*>(smem + P_TOT);  // dead since the gates' block offsets
-        if (lane == 0) sMax[warp] = m;
+        if (lane == 0) sm.u_max()[warp] = m;
         __syncthreads();
-        m = sMax[0];
+        m = sm.u_max()[0];
 #pragma unroll
-        for (int w = 1; w < NT / 32; ++w) m = fmaxf(m, sMax[w]);
+        for (int w = 1; w < NT / 32; ++w) m = fmaxf(m, sm.u_max()[w]);
         us = Rec::u_scale(rec, m, tid == 0);
       }
     }
