@@ -91,11 +91,6 @@ def _workspace_layout(ctx, H, backend, device, K, V, dt, passes) -> tuple[int, i
     return layout
 
 
-def _workspace_need(ctx, H, backend, device, K, V, dt, passes) -> int:
-    """``workspace_bytes`` of one call (cached: ``_workspace_layout``)."""
-    return _workspace_layout(ctx, H, backend, device, K, V, dt, passes)[0]
-
-
 def _split_workspace(workspace, ctx, backend, H, K, V, dt, device):
     """(exchange buffer or None, Arena or None) of one call; the workspace's size and device are checked
     here, before any kernel runs."""

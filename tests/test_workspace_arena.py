@@ -180,7 +180,7 @@ def test_cuda_arena_is_exact_at_two_ranks():
 
 
 def test_call_need_is_cached_per_knob(monkeypatch):
-    """A call checks its workspace against the need cached in the context (function._workspace_need): equal to
+    """A call checks its workspace against the need cached in the context (function._workspace_layout): equal to
     workspace_bytes, and a knob that changes the tables (the backward's segment length) changes the key, so the
     check follows it instead of a stale size."""
     backend = _fake_cuda(monkeypatch)
@@ -189,8 +189,8 @@ def test_call_need_is_cached_per_knob(monkeypatch):
     for seg in (2, 0):
         set_tuning(monkeypatch, bwd_seg_chunks=seg)
         fresh = sizing.workspace_bytes(ctx, 4, backend, "cpu")
-        needs[seg] = function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
-        assert needs[seg] == fresh == function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
+        needs[seg] = function._workspace_layout(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)[0]
+        assert needs[seg] == fresh == function._workspace_layout(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)[0]
     assert needs[2] != needs[0]
     q, k, v, g, beta, _ = _inputs(ctx.local_tokens, 4)
     small = kda_kcp.WorkspaceKcp.from_buffer(torch.empty(min(needs.values()), dtype=torch.uint8))
@@ -210,7 +210,7 @@ def test_call_need_follows_the_pipeline_flag(monkeypatch):
     for flag in (1, 0):
         set_tuning(monkeypatch, bwd_pipeline=flag)
         fresh = sizing.workspace_bytes(ctx, 4, backend, "cpu")
-        needs[flag] = function._workspace_need(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)
+        needs[flag] = function._workspace_layout(ctx, 4, backend, "cpu", 128, 128, torch.float32, None)[0]
         assert needs[flag] == fresh
     assert needs[1] != needs[0]
 

@@ -73,7 +73,7 @@ class NoKernels:
         return lambda *args, **kwargs: None
 
 
-STAGES = ((function, ("_prepare", "_split_workspace", "_workspace_need", "backward_kcp", "check_inputs",
+STAGES = ((function, ("_prepare", "_split_workspace", "_workspace_layout", "backward_kcp", "check_inputs",
                        "check_grad_output", "select_backend")),
           (cuda_bwd, ("chunk_tables", "seg_tables", "walk_groups", "pipelined_walks_and_grads")),
           (cuda_fwd, ("forward_tables",)))
@@ -125,8 +125,8 @@ def main():
     x = tuple(t.requires_grad_() for t in inputs)
     ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
     ws = kda_kcp.WorkspaceKcp(ctx, args.heads, device=dev) if not args.stub else \
-        kda_kcp.WorkspaceKcp.from_buffer(torch.empty(function._workspace_need(
-            ctx, args.heads, function.select_backend(dev, True), dev, 128, 128, torch.float32, None),
+        kda_kcp.WorkspaceKcp.from_buffer(torch.empty(function._workspace_layout(
+            ctx, args.heads, function.select_backend(dev, True), dev, 128, 128, torch.float32, None)[0],
             dtype=torch.uint8))
     do = torch.randn(x[0].shape, dtype=torch.bfloat16, device=dev)
 
