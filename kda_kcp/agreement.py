@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .context import KcpContext, fingerprint
 from .partition import LAYOUTS
 
-__all__ = ["KINDS", "exchanges", "agree_call", "agree_context", "call_properties"]
+__all__ = ["KINDS", "exchanges", "agree_call", "agree_failure", "agree_context", "call_properties"]
 
 KINDS = ("context", "forward", "backward")
 _KIND_NAMES = ("build_context_kcp", "a forward", "a backward")
@@ -216,6 +216,18 @@ def agree_call(ctx, kind: str, checks, properties, *args):
     header = [KINDS.index(kind), 0, ctx.rank, *ctx.fingerprint, *props]
     _raise_on_disagreement(_exchange_headers(ctx.host_group, ctx.world_size, header, error), ctx)
     return result
+
+
+def agree_failure(ctx, kind: str, error: BaseException):
+    """Raises for ``error``, a failure of this rank's side of a call on ``ctx`` before that call's ``agree_call``
+    (an entry's own checks, e.g. its flags, or kda_kcp.chunk_kda's options, shapes and activations): when the call
+    exchanges, the failure takes the place of this rank's header in that agreement, so every rank raises the same
+    ValueError instead of the other ranks waiting in it; otherwise ``error`` itself."""
+    if not exchanges(ctx):
+        raise error
+    header = [KINDS.index(kind), 0, ctx.rank, *ctx.fingerprint, *[0] * _NUM_PROPERTIES]
+    _exchange_headers(ctx.host_group, ctx.world_size, header, error)
+    raise error  # not reached: a header with this rank's failure makes every rank raise
 
 
 def agree_context(group, world_size: int, rank: int, checks, layout: str) -> tuple[list[int], list[int]]:
