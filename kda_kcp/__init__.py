@@ -13,10 +13,12 @@ import torch
 
 from . import det, nondet
 from . import nn
+from .agreement import agree_failure
 from .context import KcpContext, build_context_kcp
 from .fla import chunk_kda
 from .partition import LAYOUTS, partition_kcp
 from .status import check_status
+from .steps import KdaSaved
 from .validate import check_flag
 from .workspace import WorkspaceKcp
 
@@ -59,6 +61,14 @@ def _package(deterministic):
     return det
 
 
+def _call_package(deterministic, ctx, kind):
+    """``_package`` of a call on ``ctx``: a bad flag on one rank raises on every rank (kda_kcp.agreement)."""
+    try:
+        return _package(deterministic)
+    except Exception as exc:  # noqa: BLE001 - agreed with the other ranks, which wait in the call's agreement
+        agree_failure(ctx, kind, exc)
+
+
 def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, workspace=None, validate=None,
                   initial_state=None, output_final_state=False):
     """KDA over this rank's shard of a packed batch; differentiable (works under torch.utils.checkpoint).
@@ -73,7 +83,7 @@ def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, workspa
     rows of the documents that start there (sum over the ranks for the whole gradient). Documents without tokens
     belong to rank 0.
     """
-    pkg = _package(deterministic)
+    pkg = _call_package(deterministic, ctx, "forward")
     return pkg.chunk_kda_kcp(q, k, v, g, beta, ctx, scale, pkg.DETERMINISTIC, workspace, validate, initial_state,
                              output_final_state)
 
@@ -82,7 +92,7 @@ def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, wor
                       initial_state=None, output_final_state=False):
     """Forward only: returns (o, saved), or (o, final_state, saved) with output_final_state=True; pass saved to
     chunk_kda_bwd_kcp."""
-    pkg = _package(deterministic)
+    pkg = _call_package(deterministic, ctx, "forward")
     return pkg.chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale, pkg.DETERMINISTIC, workspace, validate, initial_state,
                                  output_final_state)
 
@@ -90,7 +100,7 @@ def chunk_kda_fwd_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=True, wor
 def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=True, workspace=None, dht=None):
     """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta) in the input dtypes, then dh0 when the
     forward took an initial_state. ``dht``: the gradient of the forward's final state (None: zero)."""
-    pkg = _package(deterministic)
+    pkg = _call_package(deterministic, saved.ctx if isinstance(saved, KdaSaved) else ctx, "backward")
     return pkg.chunk_kda_bwd_kcp(do, saved, ctx, pkg.DETERMINISTIC, workspace, dht)
 
 

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from .context import KcpContext, fingerprint
 from .partition import LAYOUTS
 
-__all__ = ["KINDS", "exchanges", "agree_call", "agree_context", "call_properties"]
+__all__ = ["KINDS", "exchanges", "agree_call", "agree_failure", "agree_context", "call_properties", "layer_properties"]
 
-KINDS = ("context", "forward", "backward")
-_KIND_NAMES = ("build_context_kcp", "a forward", "a backward")
+KINDS = ("context", "forward", "backward", "layer")
+_KIND_NAMES = ("build_context_kcp", "a forward", "a backward", "a KimiDeltaAttention forward")
 
 # the header: int64 fields in this order
 _FIELDS = (
@@ -37,7 +37,7 @@ _FIELDS = (
     "world_size", "layout", "num_docs", "num_tokens", "crc32", "adler32",
     # the call's properties (call_properties): this rank's local T, then what every rank must share
     "local_tokens", "H", "K", "V", "q", "k", "v", "g", "beta", "do", "scale", "deterministic", "arena", "lean_passes",
-    "initial_state", "final_state",
+    "initial_state", "final_state", "conv_size",
 )
 _AT = {name: i for i, name in enumerate(_FIELDS)}
 _PACKED = struct.Struct(f"<{len(_FIELDS)}q")  # torch.frombuffer of its bytes: ~3 us, torch.tensor(list) ~25 us
@@ -80,7 +80,15 @@ def call_properties(q, k, v, g, beta, do, scale: float, deterministic: bool, wor
         arena, passes = 2, workspace.lean_passes
     codes = [_DTYPE_CODE[x.dtype] if x is not None else 0 for x in (q, k, v, g, beta, do, initial_state)]
     return [q.shape[0], q.shape[1], q.shape[2], v.shape[2], *codes[:6], _scale_bits(scale), int(deterministic), arena,
-            passes, codes[6], int(final_state)]
+            passes, codes[6], int(final_state), 0]
+
+
+def layer_properties(qkv, H: int, K: int, V: int, conv_weight, deterministic: bool) -> list[int]:
+    """The header's property fields of a KimiDeltaAttention forward (kda_kcp.nn) before its convolution's exchange,
+    which all-gathers rows of ``qkv`` [T, H * (2K + V)] (its dtype in the ``q`` field, the convolution weight's in
+    ``k``) over as many rows per rank as the convolution's size."""
+    codes = [_DTYPE_CODE[qkv.dtype], _DTYPE_CODE[conv_weight.dtype]]
+    return [qkv.shape[0], H, K, V, *codes, 0, 0, 0, 0, 0, int(deterministic), 0, 0, 0, 0, conv_weight.shape[-1]]
 
 
 def _exchange_headers(group, world_size: int, header: list[int], error: BaseException | None) -> list[list[int]]:
@@ -151,10 +159,14 @@ def _show_workspace(x) -> str:
     return _ARENAS[arena] + (f" ({passes} passes)" if arena == 2 else "")
 
 
-def _property_problems(rows) -> list[str]:
+_LAYER_DTYPES = {"q": "projections", "k": "conv_weight"}  # what a layer's header holds in these fields
+
+
+def _property_problems(rows, kind: str = "forward") -> list[str]:
     at = _AT
     problems = [_differs(name, rows, lambda r, i=at[name]: r[i]) for name in ("H", "K", "V")]
-    problems += [_differs(f"{name} dtype", rows, lambda r, i=at[name]: r[i], _show_dtype)
+    problems += [_differs(f"{_LAYER_DTYPES.get(name, name) if kind == 'layer' else name} dtype", rows,
+                          lambda r, i=at[name]: r[i], _show_dtype)
                  for name in ("q", "k", "v", "g", "beta", "do")]
     problems += [
         _differs("scale", rows, lambda r: r[at["scale"]], lambda x: repr(_scale_of(x))),
@@ -162,6 +174,7 @@ def _property_problems(rows) -> list[str]:
         _differs("workspace", rows, lambda r: (r[at["arena"]], r[at["lean_passes"]]), _show_workspace),
         _differs("initial_state (dtype, or none)", rows, lambda r: r[at["initial_state"]], _show_dtype),
         _differs("output_final_state", rows, lambda r: r[at["final_state"]], lambda x: str(bool(x))),
+        _differs("conv_size", rows, lambda r: r[at["conv_size"]]),
     ]
     return [p for p in problems if p is not None]
 
@@ -194,7 +207,7 @@ def _raise_on_disagreement(rows, ctx: KcpContext | None) -> None:
     what = KINDS[kinds[0]]
     if problems:
         raise ValueError(f"kda_kcp: the ranks run the {what} on different contexts: " + "; ".join(problems))
-    problems = _rank_problems(rows, ctx) or _property_problems(rows)
+    problems = _rank_problems(rows, ctx) or _property_problems(rows, what)
     if problems:
         raise ValueError(f"kda_kcp: the ranks' {what} calls disagree: " + "; ".join(problems))
 
@@ -216,6 +229,18 @@ def agree_call(ctx, kind: str, checks, properties, *args):
     header = [KINDS.index(kind), 0, ctx.rank, *ctx.fingerprint, *props]
     _raise_on_disagreement(_exchange_headers(ctx.host_group, ctx.world_size, header, error), ctx)
     return result
+
+
+def agree_failure(ctx, kind: str, error: BaseException):
+    """Raises for ``error``, a failure of this rank's side of a call on ``ctx`` before that call's ``agree_call``
+    (an entry's own checks, e.g. its flags, or kda_kcp.chunk_kda's options, shapes and activations): when the call
+    exchanges, the failure takes the place of this rank's header in that agreement, so every rank raises the same
+    ValueError instead of the other ranks waiting in it; otherwise ``error`` itself."""
+    if not exchanges(ctx):
+        raise error
+    header = [KINDS.index(kind), 0, ctx.rank, *ctx.fingerprint, *[0] * _NUM_PROPERTIES]
+    _exchange_headers(ctx.host_group, ctx.world_size, header, error)
+    raise error  # not reached: a header with this rank's failure makes every rank raise
 
 
 def agree_context(group, world_size: int, rank: int, checks, layout: str) -> tuple[list[int], list[int]]:

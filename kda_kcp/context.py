@@ -10,6 +10,7 @@ import torch.distributed as dist
 from .handles import new_handle
 from .partition import LAYOUTS, check_cu_seqlens, partition_kcp
 from .plan import KcpPlan, LocalPlan, build_plan
+from .validate import check_positive_int
 
 __all__ = ["KcpContext", "build_context_kcp"]
 
@@ -127,6 +128,7 @@ def _checked(cu_seqlens, layout, world_size, W) -> list[int]:
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     cu = check_cu_seqlens(cu_seqlens)
+    check_positive_int("world_size", world_size, none_ok=True)
     if world_size is not None and world_size != W:
         raise ValueError(f"world_size={world_size} does not match the group, which has {W} ranks")
     return cu

@@ -12,6 +12,7 @@ import torch
 from torch.compiler import is_compiling  # bound once: the check runs on every eager call
 
 from . import workspace as _ws
+from .agreement import agree_failure
 from .function import backward_kcp, chunk_kda_autograd, forward_kcp
 from .library import chunk_kda_op
 from .steps import KdaSaved
@@ -31,20 +32,24 @@ ENTRY_NAMES = (
 
 
 def make_entries(package: str, mode: bool) -> dict:
-    def _own(deterministic) -> None:
-        check_flag("deterministic", deterministic)
-        if deterministic is not mode:
-            other = "kda_kcp.nondet" if mode else "kda_kcp.det"
-            raise ValueError(
-                f"{package} runs deterministic={mode} only; got deterministic={deterministic} "
-                f"(use {other}, or the facade kda_kcp, which routes on the flag)"
-            )
+    def _own(deterministic, ctx=None, kind="forward") -> None:
+        """The flag is this package's; in a call on ``ctx`` a failure raises on every rank (kda_kcp.agreement)."""
+        try:
+            check_flag("deterministic", deterministic)
+            if deterministic is not mode:
+                other = "kda_kcp.nondet" if mode else "kda_kcp.det"
+                raise ValueError(
+                    f"{package} runs deterministic={mode} only; got deterministic={deterministic} "
+                    f"(use {other}, or the facade kda_kcp, which routes on the flag)"
+                )
+        except (TypeError, ValueError) as exc:
+            agree_failure(ctx, kind, exc)
 
     def chunk_kda_kcp(q, k, v, g, beta, ctx, scale=None, deterministic=mode, workspace=None, validate=None,
                       initial_state=None, output_final_state=False):
         """Differentiable KDA over this rank's shard: returns o [T, H, V], or (o, final_state) with
         output_final_state=True (see kda_kcp.chunk_kda_kcp)."""
-        _own(deterministic)
+        _own(deterministic, ctx)
         if is_compiling():  # one custom op node in the graph instead of tracing the library
             return chunk_kda_op(q, k, v, g, beta, ctx, scale, mode, workspace, validate, initial_state=initial_state,
                                 output_final_state=output_final_state)
@@ -55,7 +60,7 @@ def make_entries(package: str, mode: bool) -> dict:
                           initial_state=None, output_final_state=False):
         """Forward without autograd: returns (o, saved), or (o, final_state, saved) with output_final_state=True,
         for chunk_kda_bwd_kcp."""
-        _own(deterministic)
+        _own(deterministic, ctx)
         with torch.no_grad():
             return forward_kcp(q, k, v, g, beta, ctx, scale, mode, workspace, validate, initial_state,
                                output_final_state)
@@ -63,9 +68,11 @@ def make_entries(package: str, mode: bool) -> dict:
     def chunk_kda_bwd_kcp(do, saved, ctx, deterministic=mode, workspace=None, dht=None):
         """Backward of chunk_kda_fwd_kcp: returns (dq, dk, dv, dg, dbeta), and dh0 after them when the forward
         took an initial_state (dht: the final state's gradient, or None)."""
-        _own(deterministic)
+        fwd_ctx = saved.ctx if isinstance(saved, KdaSaved) else ctx  # the one the ranks agree on (backward_kcp)
+        _own(deterministic, fwd_ctx, "backward")
         if isinstance(saved, KdaSaved) and saved.deterministic is not mode:  # backward_kcp checks the rest
-            raise ValueError(f"saved comes from a deterministic={saved.deterministic} forward; {package} is deterministic={mode}")
+            agree_failure(fwd_ctx, "backward", ValueError(
+                f"saved comes from a deterministic={saved.deterministic} forward; {package} is deterministic={mode}"))
         with torch.no_grad():
             return backward_kcp(do, saved, ctx, workspace, dht)
 

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .agreement import agree_failure
 from .backend import TORCH, select_backend
 from .context import KcpContext
 from .library import chunk_kda_op
@@ -231,53 +232,66 @@ def chunk_kda(
     Not supported, each raising ``ValueError`` that names it: ``disable_recompute=True``, ``return_intermediate_states=True``, ``state_v_first=True``, ``use_graph=True``,
     ``max_num_seqs``, ``chunk_size`` other than 64, and any keyword FLA does not define.
     """
-    flags = dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                 allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, disable_recompute=disable_recompute,
-                 return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
-                 use_graph=use_graph, deterministic=deterministic)
-    _check_options(flags, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
-                   use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
-    B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
-    if isinstance(initial_state, torch.Tensor):  # any layout, as FLA takes it (e.g. one state expanded over B)
-        initial_state = initial_state.contiguous()
-    compiling = torch.compiler.is_compiling()  # the custom op then makes the context when it runs (kda_kcp.library)
-    ctx = None if compiling else packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
-    out_dtype = q.dtype
-
     from . import _package, chunk_kda_kcp  # the facade (this module is imported by the package's __init__)
 
-    # off the GPU the torch backend runs (or, with KDA_KCP_BACKEND=cuda, the call raises at its checks)
-    backend = select_backend(q.device, _package(deterministic).DETERMINISTIC) if q.is_cuda else TORCH
-    fused = None
-    if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel:
-        # what the KDA call would refuse is refused before the fused pass launches anything
-        _check_before_activations(backend, (q, k, v, g, beta), scale, initial_state, ctx, HV)
-        fused = backend.fused_activations(
-            q if use_qk_l2norm_in_kernel else None, k if use_qk_l2norm_in_kernel else None,
-            g if use_gate_in_kernel else None, beta if use_beta_sigmoid_in_kernel else None,
-            A_log, dt_bias, HV, lower_bound, 2.0 if allow_neg_eigval else 1.0)
-    if fused is not None:
-        q_act, k_act, g_act, beta_act = fused
-        q, k = (q_act, k_act) if use_qk_l2norm_in_kernel else (q, k)  # normalised q, k come with HV heads
-        g = g_act if use_gate_in_kernel else g
-        beta = beta_act if use_beta_sigmoid_in_kernel else beta
+    def checked_and_packed(q, k, v, g, beta, initial_state):
+        """The call's checks, its context, the activations and the packed [B * T, ...] inputs."""
+        flags = dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                     allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, disable_recompute=disable_recompute,
+                     return_intermediate_states=return_intermediate_states, state_v_first=state_v_first,
+                     use_graph=use_graph, deterministic=deterministic)
+        _check_options(flags, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
+                       use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
+        B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
+        if isinstance(initial_state, torch.Tensor):  # any layout, as FLA takes it (e.g. one state expanded over B)
+            initial_state = initial_state.contiguous()
+        compiling = torch.compiler.is_compiling()  # the custom op then makes the context when it runs (kda_kcp.library)
+        ctx = None if compiling else packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
+        out_dtype = q.dtype
+
+        # off the GPU the torch backend runs (or, with KDA_KCP_BACKEND=cuda, the call raises at its checks)
+        backend = select_backend(q.device, _package(deterministic).DETERMINISTIC) if q.is_cuda else TORCH
+        fused = None
+        if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel:
+            # what the KDA call would refuse is refused before the fused pass launches anything
+            _check_before_activations(backend, (q, k, v, g, beta), scale, initial_state, ctx, HV)
+            fused = backend.fused_activations(
+                q if use_qk_l2norm_in_kernel else None, k if use_qk_l2norm_in_kernel else None,
+                g if use_gate_in_kernel else None, beta if use_beta_sigmoid_in_kernel else None,
+                A_log, dt_bias, HV, lower_bound, 2.0 if allow_neg_eigval else 1.0)
+        if fused is not None:
+            q_act, k_act, g_act, beta_act = fused
+            q, k = (q_act, k_act) if use_qk_l2norm_in_kernel else (q, k)  # normalised q, k come with HV heads
+            g = g_act if use_gate_in_kernel else g
+            beta = beta_act if use_beta_sigmoid_in_kernel else beta
+        else:
+            if use_qk_l2norm_in_kernel:
+                q, k = l2_normalize(q), l2_normalize(k)
+            if use_gate_in_kernel:
+                g = kda_gate(g, A_log, dt_bias, lower_bound)
+            if use_beta_sigmoid_in_kernel:
+                beta = beta_activation(beta, allow_neg_eigval)
+        qkv_dtype, g_dtype, beta_dtype = backend.input_dtypes(q, k, v, g, beta)
+        if q.shape[2] != HV:
+            q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+
+        def packed(x, dtype):
+            return x.to(dtype).reshape(B * T, *x.shape[2:]).contiguous()
+
+        q, k, v, g, beta = packed(q, qkv_dtype), packed(k, qkv_dtype), packed(v, qkv_dtype), packed(g, g_dtype), \
+            packed(beta, beta_dtype)
+        return q, k, v, g, beta, initial_state, ctx, compiling, out_dtype, B, T, HV
+
+    args = (q, k, v, g, beta, initial_state)
+    if torch.compiler.is_compiling():
+        packed_call = checked_and_packed(*args)
     else:
-        if use_qk_l2norm_in_kernel:
-            q, k = l2_normalize(q), l2_normalize(k)
-        if use_gate_in_kernel:
-            g = kda_gate(g, A_log, dt_bias, lower_bound)
-        if use_beta_sigmoid_in_kernel:
-            beta = beta_activation(beta, allow_neg_eigval)
-    qkv_dtype, g_dtype, beta_dtype = backend.input_dtypes(q, k, v, g, beta)
-    if q.shape[2] != HV:
-        q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-
-    def packed(x, dtype):
-        return x.to(dtype).reshape(B * T, *x.shape[2:]).contiguous()
-
-    q, k, v, g, beta = packed(q, qkv_dtype), packed(k, qkv_dtype), packed(v, qkv_dtype), packed(g, g_dtype), \
-        packed(beta, beta_dtype)
+        try:
+            packed_call = checked_and_packed(*args)
+        except Exception as exc:  # noqa: BLE001 - under KCP one rank's failure raises on every rank
+            agree_failure(cp_context, "forward", exc)
+    q, k, v, g, beta, initial_state, ctx, compiling, out_dtype, B, T, HV = packed_call
     states = dict(initial_state=initial_state, output_final_state=output_final_state)
     if compiling:
         cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens

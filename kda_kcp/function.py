@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .agreement import agree_call, call_properties
+from .agreement import agree_call, agree_failure, call_properties
 from .arena import Arena, aligned
 from .backend import select_backend
 from .sizing import exchange_elements, workspace_bytes
@@ -213,7 +213,10 @@ class KdaKcpInputs(torch.autograd.Function):
     @staticmethod
     def backward(fctx, do, dht=None):
         ctx, scale, deterministic, workspace, final_state = fctx.kcp
-        q, k, v, g, beta, h0, state_in = fctx.saved_tensors
+        try:  # autograd's check of the saved tensors (one written in place since) fails on this rank alone
+            q, k, v, g, beta, h0, state_in = fctx.saved_tensors
+        except RuntimeError as exc:
+            agree_failure(ctx, "backward", exc)
         if do is None:  # only the final states reached the loss
             do = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
         saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, h0, final_state)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .agreement import agree_call, layer_properties
 from .exchange import all_gather_flat, collective_device
 from .fla import chunk_kda
 from .packing import packed_context
@@ -200,17 +201,28 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm_weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor, cu_seqlens=None, cp_context=None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(
-                f"KimiDeltaAttention expects x, a torch.Tensor [B, T, {self.hidden_size}], got {type(x).__name__}")
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size or x.shape[0] < 1:
-            raise ValueError(f"KimiDeltaAttention expects x [B, T, {self.hidden_size}] with B >= 1, got {tuple(x.shape)}")
-        B, T, D = x.shape
-        ctx = packed_context(B, T, cu_seqlens, None, cp_context)
         H, K, V = self.num_heads, self.head_dim, self.value_dim
+
+        def checked():
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(
+                    f"KimiDeltaAttention expects x, a torch.Tensor [B, T, {self.hidden_size}], got {type(x).__name__}")
+            if x.dim() != 3 or x.shape[-1] != self.hidden_size or x.shape[0] < 1:
+                raise ValueError(
+                    f"KimiDeltaAttention expects x [B, T, {self.hidden_size}] with B >= 1, got {tuple(x.shape)}")
+            B, T, D = x.shape
+            xt = x.reshape(B * T, D)
+            return packed_context(B, T, cu_seqlens, None, cp_context), xt, self.qkv_proj(xt)
+
+        def properties(result):
+            return layer_properties(result[2], H, K, V, self.conv_weight, self.deterministic)
+
+        # under KCP the convolution exchanges first: a failure above on one rank, or ranks whose layers differ,
+        # raise on every rank (kda_kcp.agreement) instead of hanging or mismatching in that exchange
+        ctx, xt, qkv = agree_call(cp_context, "layer", checked, properties)
+        B, T, D = x.shape
         N = B * T
-        xt = x.reshape(N, D)
-        qkv = F.silu(short_conv(self.qkv_proj(xt), self.conv_weight, ctx))
+        qkv = F.silu(short_conv(qkv, self.conv_weight, ctx))
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         o, _ = chunk_kda(
             q.reshape(1, N, H, K), k.reshape(1, N, H, K), v.reshape(1, N, H, V),

@@ -4,6 +4,10 @@ than the convolution); B equal rows; W = 2 shards over gloo against W = 1 in eve
 
 from __future__ import annotations
 
+import re
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -145,3 +149,39 @@ def _shards_match_single_rank(rank, world):
 
 def test_layer_shards_over_gloo():
     run_distributed(_shards_match_single_rank, 2)
+
+
+def _ranks_whose_layers_differ_raise(rank, world):
+    """The last rank's layer or shard differs; the convolution's exchange comes first under KCP, so the ranks agree
+    before it: every rank raises the same ValueError within seconds (a gloo group with a short timeout: a rank left
+    waiting fails on gloo's timeout instead), rather than one rank raising while the others wait in the exchange, or
+    the exchange's sizes mismatching (gloo aborts the process)."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
+    cu = offsets([5, 40, 3, 1, 21])
+    ctx = kda_kcp.build_context_kcp(cu, group)
+    odd = rank == world - 1
+    x = torch.randn(1, ctx.local_tokens, D, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    failed = r"^kda_kcp: a rank failed its checks, so every rank raises: rank %d \(a KimiDeltaAttention forward\): " % (
+        world - 1)
+    cases = [
+        ("a shard of another length", make_layer(4), x[:, :-1] if odd else x,
+         failed + "ValueError: chunk_kda: cp_context gives rank %d" % (world - 1)),
+        ("another dtype", make_layer(4).float() if odd else make_layer(4), x.float() if odd else x,
+         r"^kda_kcp: the ranks' layer calls disagree: projections dtype: rank 0 has torch.float64, "),
+        ("another convolution size", make_layer(4, conv_size=3 if odd else 4), x,
+         r"^kda_kcp: the ranks' layer calls disagree: conv_size: rank 0 has 4, .*rank %d has 3$" % (world - 1)),
+    ]
+    for name, layer, xl, pattern in cases:
+        start = time.monotonic()
+        with pytest.raises(ValueError) as info:
+            layer(xl, cp_context=ctx)
+        assert time.monotonic() - start < 10, name
+        msg = str(info.value)
+        messages = [None] * world
+        dist.all_gather_object(messages, msg, group=group)
+        assert all(m == msg for m in messages), (name, messages)
+        assert re.search(pattern, msg), (name, pattern, msg)
+
+
+def test_ranks_whose_layers_differ_raise_on_every_rank():
+    run_distributed(_ranks_whose_layers_differ_raise, 2)

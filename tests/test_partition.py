@@ -116,6 +116,9 @@ def test_bad_layout_and_world_size():
         kda_kcp.partition_kcp([0, 4], 0, "zigzag")
     with pytest.raises(ValueError, match="world_size=2 does not match the group, which has 1"):
         kda_kcp.build_context_kcp([0, 4], None, "zigzag", world_size=2)
+    for bad in ("1", 1.0, True):  # not an int: named as such, never compared with the group's size
+        with pytest.raises(ValueError, match=f"world_size must be a positive int or None, got {bad!r}"):
+            kda_kcp.build_context_kcp([0, 4], None, "zigzag", world_size=bad)
 
 
 @pytest.mark.parametrize("layout", kda_kcp.LAYOUTS)

@@ -75,9 +75,35 @@ def _cases(rank, world, group):
         ("a context of another rank", lambda: kda_kcp.chunk_kda_kcp(*_local(foreign)[0], foreign),
          r"forward calls disagree: group ranks \[%d, %d\] all run the context of rank %d"
          % (world - 2, world - 1, world - 2)),
+        ("deterministic not a bool", lambda: fwd(*local, deterministic=1 if odd else True),
+         failed.replace("(.+?)", "a forward") + "TypeError: deterministic must be True or False, got 1"),
+        ("a package entry in the other mode", lambda: kda_kcp.det.chunk_kda_kcp(*local, ctx, deterministic=not odd),
+         failed.replace("(.+?)", "a forward") + "ValueError: kda_kcp.det runs deterministic=True only"),
+        ("backward in the other mode", lambda: kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx, deterministic=not odd),
+         failed.replace("(.+?)", "a backward") + "ValueError: saved comes from a deterministic=True forward"),
+        ("chunk_kda: a shard of another length",
+         lambda: kda_kcp.chunk_kda(*(x.unsqueeze(0)[:, : -1 if odd else None] for x in local), cp_context=ctx),
+         failed.replace("(.+?)", "a forward") + "ValueError: chunk_kda: cp_context gives rank %d" % (world - 1)),
+        ("chunk_kda: an unsupported option",
+         lambda: kda_kcp.chunk_kda(*(x.unsqueeze(0) for x in local), cp_context=ctx, use_graph=odd),
+         failed.replace("(.+?)", "a forward") + "ValueError: chunk_kda: use_graph=True is not supported"),
+        ("an input written in place before the autograd backward", lambda: _written_before_backward(ctx, local, do, odd),
+         failed.replace("(.+?)", "a backward") + "RuntimeError: one of the variables needed for gradient computation "
+         "has been modified by an inplace operation"),
         ("forward beside a backward", lambda: kda_kcp.chunk_kda_bwd_kcp(do, saved, ctx) if odd else fwd(*local),
          r"the ranks are in different calls: rank 0 in a forward, .*rank %d in a backward" % (world - 1)),
     ]
+
+
+def _written_before_backward(ctx, local, do, odd):
+    """chunk_kda_kcp with autograd; the odd rank writes an input in place before the backward, which autograd's
+    saved-tensor check catches on that rank alone."""
+    leaves = [x.clone().requires_grad_() for x in local]
+    o = kda_kcp.chunk_kda_kcp(*leaves, ctx)
+    if odd:
+        with torch.no_grad():
+            leaves[2].mul_(1.0)
+    o.backward(do)
 
 
 def _every_rank_raises_the_same(rank, world):
