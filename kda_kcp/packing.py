@@ -79,6 +79,11 @@ def packed_context(B, T, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None) 
             raise ValueError(f"chunk_kda: cu_seqlens_cpu has {tuple(cu_seqlens_cpu.shape)} entries, cu_seqlens "
                              f"{tuple(cu_seqlens.shape)}; it must be cu_seqlens' host copy")
         cu = _offsets_of(cu_seqlens_cpu, "cu_seqlens_cpu")
+        # a host cu_seqlens costs nothing to compare (a CUDA one would cost the synchronization the copy avoids)
+        if not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.is_cuda) \
+                and _offsets_of(cu_seqlens, "cu_seqlens") != cu:
+            raise ValueError("chunk_kda: cu_seqlens_cpu holds other offsets than cu_seqlens; it must be cu_seqlens' "
+                             "host copy")
     else:
         cu = _offsets_of(cu_seqlens, "cu_seqlens")
     if cu[-1] != T:

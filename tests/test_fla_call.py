@@ -207,6 +207,17 @@ def test_unsupported_option_raises_naming_it(kw, named):
         assert torch.equal(x, before[n]), n  # nothing the caller passed is modified
 
 
+def test_a_host_copy_with_other_offsets_raises():
+    """cu_seqlens_cpu is cu_seqlens' host copy: when both are on the host, other offsets raise instead of one of
+    them being trusted."""
+    tensors, _, _ = make_call_inputs(1, 20, seed=1)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu holds other offsets"):
+        kda_kcp.chunk_kda(**tensors, cu_seqlens=torch.tensor([0, 8, 20]), cu_seqlens_cpu=torch.tensor([0, 12, 20]))
+    o, _ = kda_kcp.chunk_kda(**tensors, cu_seqlens=torch.tensor([0, 8, 20]), cu_seqlens_cpu=torch.tensor([0, 8, 20]))
+    ref, _ = kda_kcp.chunk_kda(**tensors, cu_seqlens=torch.tensor([0, 8, 20]))
+    assert torch.equal(o, ref)
+
+
 def test_the_supported_values_of_fla_only_options_are_accepted():
     tensors, _, _ = make_call_inputs(1, 20, seed=2)
     ref, _ = kda_kcp.chunk_kda(**tensors)
