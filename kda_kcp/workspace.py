@@ -90,7 +90,15 @@ def _planned_sizes(ctx, num_heads, deterministic, passes, head_dim, value_dim, d
 
     archs = sorted(KERNEL_CAPABILITIES.values())
     if arch not in archs:
-        raise ValueError(f"arch must be one of {archs}, got {arch!r}")
+        from .jit import manifest
+
+        try:
+            declared = manifest()["archs"].get(arch) if isinstance(arch, str) else None
+        except Exception:  # noqa: BLE001 - no manifest to name it from: the plain message
+            declared = None
+        unbuildable = f" ({arch} is declared in build.json but not buildable: {declared.get('why', 'no kernels')})" \
+            if declared else ""
+        raise ValueError(f"arch must be one of {archs}, got {arch!r}{unbuildable}")
     if sm_count is None:
         sm_count = PLANNING_SM_COUNTS.get(arch)
         if sm_count is None:

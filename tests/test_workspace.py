@@ -114,7 +114,8 @@ def test_sizing_for_a_gpu_this_machine_does_not_have(monkeypatch):
     assert pcie != kda_kcp.kda_workspace_bytes_kcp(ctx, 16, arch="sm_90a")
     assert kda_kcp.kda_workspace_bytes_kcp(ctx, 16, arch="sm_103a", sm_count=148) == \
         kda_kcp.kda_workspace_bytes_kcp(ctx, 16, arch="sm_100a")
-    for kw, match in (({"arch": "sm_80"}, "arch must be one of"), ({"arch": "sm_103a"}, "sm_count is required"),
+    for kw, match in (({"arch": "sm_80"}, "arch must be one of"), ({"arch": "sm_107a"}, "declared in build.json but not"),
+                      ({"arch": "sm_103a"}, "sm_count is required"),
                       ({"sm_count": 132}, "sm_count goes with arch"), ({"arch": "sm_90a", "sm_count": 0}, "positive"),
                       ({"arch": "sm_90a", "device": "cpu"}, "not both")):
         with pytest.raises(ValueError, match=match):
