@@ -12,6 +12,7 @@ rank's shard under context parallelism when ``cp_context`` is a ``KcpContext``. 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -112,7 +113,8 @@ def _check_options(flags: dict, max_num_seqs, use_gate_in_kernel, A_log, dt_bias
     elif A_log is None and lower_bound is None:
         raise ValueError("chunk_kda: A_log must be given when use_gate_in_kernel=True and lower_bound is not set")
     if lower_bound is not None:
-        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)) or not math.isfinite(lower_bound):
+        # numbers.Real: numpy's float32 too, as for scale
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real) or not math.isfinite(lower_bound):
             raise TypeError(f"chunk_kda: lower_bound must be a finite float or None, got {lower_bound!r}")
         if not -5.0 <= lower_bound < 0.0:
             raise ValueError(
@@ -243,6 +245,7 @@ def chunk_kda(
                      use_graph=use_graph, deterministic=deterministic)
         _check_options(flags, max_num_seqs, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate,
                        use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
+        bound = None if lower_bound is None else float(lower_bound)  # a Python float for the kernels' argument
         B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
         if isinstance(initial_state, torch.Tensor):  # any layout, as FLA takes it (e.g. one state expanded over B)
             initial_state = initial_state.contiguous()
@@ -259,7 +262,7 @@ def chunk_kda(
             fused = backend.fused_activations(
                 q if use_qk_l2norm_in_kernel else None, k if use_qk_l2norm_in_kernel else None,
                 g if use_gate_in_kernel else None, beta if use_beta_sigmoid_in_kernel else None,
-                A_log, dt_bias, HV, lower_bound, 2.0 if allow_neg_eigval else 1.0)
+                A_log, dt_bias, HV, bound, 2.0 if allow_neg_eigval else 1.0)
         if fused is not None:
             q_act, k_act, g_act, beta_act = fused
             q, k = (q_act, k_act) if use_qk_l2norm_in_kernel else (q, k)  # normalised q, k come with HV heads
@@ -269,7 +272,7 @@ def chunk_kda(
             if use_qk_l2norm_in_kernel:
                 q, k = l2_normalize(q), l2_normalize(k)
             if use_gate_in_kernel:
-                g = kda_gate(g, A_log, dt_bias, lower_bound)
+                g = kda_gate(g, A_log, dt_bias, bound)
             if use_beta_sigmoid_in_kernel:
                 beta = beta_activation(beta, allow_neg_eigval)
         qkv_dtype, g_dtype, beta_dtype = backend.input_dtypes(q, k, v, g, beta)

@@ -226,6 +226,16 @@ def test_the_supported_values_of_fla_only_options_are_accepted():
     assert torch.equal(o, ref)
 
 
+def test_lower_bound_takes_numpy_scalars_as_scale_does():
+    """lower_bound as a numpy float32 (e.g. read from a config array) computes what the Python float does."""
+    np = pytest.importorskip("numpy")
+    tensors, _, _ = make_call_inputs(1, 20, seed=2)
+    opts = dict(use_gate_in_kernel=True, A_log=torch.zeros(H, dtype=torch.float64))
+    ref, _ = kda_kcp.chunk_kda(**tensors, **opts, lower_bound=-4.5)
+    o, _ = kda_kcp.chunk_kda(**tensors, **opts, lower_bound=np.float32(-4.5))
+    assert torch.equal(o, ref)
+
+
 def test_rows_without_tokens_are_documents():
     """B rows of T = 0 tokens are B empty sequences, as with T > 0: B initial states go in, and each comes back
     unchanged as its sequence's final state."""
