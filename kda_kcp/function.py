@@ -20,7 +20,8 @@ from .arena import Arena, aligned
 from .backend import select_backend
 from .sizing import exchange_elements, workspace_bytes
 from .steps import ForwardCall, KdaSaved, run_backward
-from .validate import (check_context, check_final_state_grad, check_flag, check_grad_output, check_initial_state,
+from .validate import (check_context, check_final_state_grad, check_flag, check_gradient_values, check_grad_output,
+                       check_initial_state,
                        check_inputs, check_scale, check_values, values_requested)
 from .workspace import WorkspaceKcp
 
@@ -117,8 +118,10 @@ def start_forward(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, v
     backend, scale, dt, xbuf, arena = agree_call(
         ctx, "forward", _prepare, _forward_properties, q, k, v, g, beta, ctx, scale, deterministic, workspace,
         validate, initial_state, output_final_state)
-    return ForwardCall(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, None,
+    call = ForwardCall(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, None,
                        initial_state, output_final_state)
+    call.saved.validate = values_requested(validate)
+    return call
 
 
 def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None, initial_state=None,
@@ -141,6 +144,8 @@ def _backward_checks(do, saved, ctx, workspace, dht):
     if dht is not None and not saved.final_state:
         raise ValueError("dht was given but the forward returned no final state (output_final_state=False)")
     check_final_state_grad(dht, ctx.num_docs, q, v)
+    if saved.validate:
+        check_gradient_values(do, dht)
     if workspace is not None and not isinstance(workspace, WorkspaceKcp):
         raise TypeError(f"workspace must be a WorkspaceKcp or None, got {type(workspace).__name__}")
     backend.check_call(q, saved.k, v, saved.g, saved.beta, ctx.local)
@@ -202,7 +207,7 @@ class KdaKcpInputs(torch.autograd.Function):
         handoff.append(call)
         saved = call.saved
         fctx.save_for_backward(q, k, v, g, beta, initial_state, saved.state_in)
-        fctx.kcp = (ctx, saved.scale, deterministic, workspace, saved.final_state)
+        fctx.kcp = (ctx, saved.scale, deterministic, workspace, saved.final_state, saved.validate)
         fctx.set_materialize_grads(False)
         # o's shape and the inputs' dtype (the dtype of o on either backend), without storage
         o = q.new_empty(()).expand(q.shape[0], q.shape[1], v.shape[2])
@@ -212,14 +217,14 @@ class KdaKcpInputs(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, do, dht=None):
-        ctx, scale, deterministic, workspace, final_state = fctx.kcp
+        ctx, scale, deterministic, workspace, final_state, validate = fctx.kcp
         try:  # autograd's check of the saved tensors (one written in place since) fails on this rank alone
             q, k, v, g, beta, h0, state_in = fctx.saved_tensors
         except RuntimeError as exc:
             agree_failure(ctx, "backward", exc)
         if do is None:  # only the final states reached the loss
             do = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-        saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, h0, final_state)
+        saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, h0, final_state, validate=validate)
         wanted = fctx.needs_input_grad[5]
         if not torch.is_grad_enabled():
             grads = backward_kcp(do, saved, ctx, workspace, dht, wanted)

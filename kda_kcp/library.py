@@ -84,12 +84,12 @@ def _fwd_fake(q, k, v, g, beta, initial_state, ctx_handle, cu_seqlens, packed_ro
 def _bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
          state_in: Tensor, initial_state: Optional[Tensor], ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor],
          packed_rows: int, scale: Optional[float], deterministic: bool, workspace_handle: Optional[Tensor],
-         output_final_state: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+         output_final_state: bool, validate: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
 
     ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
     workspace = object_of(workspace_handle, "WorkspaceKcp")
     saved = KdaSaved(q, k, v, g, beta, state_in if ctx.plan.needs_exchange else None, check_scale(scale, q.shape[-1]),
-                     deterministic, ctx, initial_state, output_final_state)
+                     deterministic, ctx, initial_state, output_final_state, validate=validate)
     grads = backward_kcp(do, saved, ctx, workspace, dht)
     if len(grads) == 5:  # no initial state: an empty stand-in for its gradient
         grads = (*grads, q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32))
@@ -98,27 +98,27 @@ def _bwd(do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: 
 
 @_bwd.register_fake
 def _bwd_fake(do, dht, q, k, v, g, beta, state_in, initial_state, ctx_handle, cu_seqlens, packed_rows, scale,
-              deterministic, workspace_handle, output_final_state):
+              deterministic, workspace_handle, output_final_state, validate):
     dh0 = (initial_state.new_empty(initial_state.shape) if initial_state is not None
            else q.new_empty(0, q.shape[1], q.shape[2], v.shape[2], dtype=torch.float32))
     return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), dh0)
 
 
 def _setup_context(ctx, inputs, output):  # ctx: autograd's (torch passes it by this name)
-    (q, k, v, g, beta, initial_state, ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle, _,
-     output_final_state, _) = inputs
+    (q, k, v, g, beta, initial_state, ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle,
+     validate, output_final_state, _) = inputs
     ctx.save_for_backward(q, k, v, g, beta, output[1], initial_state, ctx_handle, cu_seqlens, workspace_handle)
-    ctx.call = (packed_rows, scale, deterministic, output_final_state)
+    ctx.call = (packed_rows, scale, deterministic, output_final_state, validate)
 
 
 def _backward(ctx, do, _dstate_in, dht):
     q, k, v, g, beta, state_in, initial_state, ctx_handle, cu_seqlens, workspace_handle = ctx.saved_tensors
-    packed_rows, scale, deterministic, output_final_state = ctx.call
+    packed_rows, scale, deterministic, output_final_state, validate = ctx.call
     if do is None:  # only the final states reached the loss
         do = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     grads = torch.ops.kda_kcp.bwd(do, dht if output_final_state else None, q, k, v, g, beta, state_in, initial_state,
                                   ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle,
-                                  output_final_state)
+                                  output_final_state, validate)
     dh0 = grads[5] if initial_state is not None else None
     return (*grads[:5], dh0, *[None] * 9)
 

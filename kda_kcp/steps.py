@@ -43,6 +43,8 @@ class KdaSaved:
     final_state: bool = False
     # the caller's tensors' version counters when the forward read them (record_versions); None: not recorded
     versions: tuple | None = None
+    # validate=True (or KDA_KCP_VALIDATE=1) in the forward: the backward checks its gradients' values too
+    validate: bool = False
 
     CALLER_TENSORS = ("q", "k", "v", "g", "beta", "initial_state")
 

@@ -118,6 +118,20 @@ def check_values(g, beta, q, k, v) -> None:
         raise ValueError(msg)
 
 
+def check_gradient_values(do, dht) -> None:
+    """The backward's value check when its forward ran with validate=True (or KDA_KCP_VALIDATE=1): do and dht finite,
+    with one host synchronization. A NaN or Inf there would otherwise reach every gradient and, through the KCP
+    exchange, the other ranks' gradients too."""
+    named = [(name, x) for name, x in (("do", do), ("dht", dht)) if x is not None and x.numel()]
+    if not named:
+        return
+    finite = torch.stack([torch.isfinite(x).all() for _, x in named]).tolist()
+    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    if bad:
+        raise ValueError(f"kda_kcp: gradient values outside the domain (validate=True): {', '.join(bad)} "
+                         f"hold{'s' if len(bad) == 1 else ''} non-finite values (NaN or Inf)")
+
+
 def _check_gradient(name: str, x, want: list, of: str, device) -> None:
     """A gradient handed to the backward: a floating tensor of the shape ``want`` (that of ``of``) on ``device``."""
     if not isinstance(x, torch.Tensor):

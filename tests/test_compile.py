@@ -114,6 +114,23 @@ def test_workspace_and_deterministic_package_under_compile():
     assert graph_breaks() == 0
 
 
+def test_validate_reaches_the_compiled_backward():
+    """validate=True under torch.compile: the backward's custom op checks do as the eager backward does."""
+    ctx = kda_kcp.build_context_kcp(offsets([50, 30]))
+    inputs, do = make_inputs(ctx.cu_seqlens, H=H, K=K, V=V, dtype=F32, seed=4)
+    do[7, 1, 2] = float("nan")
+
+    def call(q, k, v, g, beta):
+        return kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, validate=True)
+
+    compiled = fresh_compile(call, "aot_eager")
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    o = compiled(*leaves)
+    assert graph_breaks() == 0
+    with pytest.raises(ValueError, match="do holds non-finite values"):
+        o.backward(do)
+
+
 def test_eager_keeps_its_two_autograd_nodes():
     """Outside torch.compile nothing goes through the custom ops (eager's host time does not move)."""
     ctx = kda_kcp.build_context_kcp(offsets([20]))

@@ -39,6 +39,9 @@ def _cases(rank, world, group):
     nan_q = local[0].clone()
     nan_q[0, 0, 0] = float("nan")
     _, saved = kda_kcp.chunk_kda_fwd_kcp(*local, ctx)
+    _, checked = kda_kcp.chunk_kda_fwd_kcp(*local, ctx, validate=True)
+    nan_do = do.clone()
+    nan_do[0, 0, 0] = float("nan")
     other_ctx = kda_kcp.build_context_kcp(offsets([60, 60, 40]), group, "contiguous")  # same T, other documents
     # a context of another rank (built by hand: build_context_kcp gives each rank its own)
     foreign = KcpContext(CU, "contiguous", group, world, rank - 1 if odd else rank, "cpu")
@@ -70,6 +73,9 @@ def _cases(rank, world, group):
          r"backward calls disagree: do dtype: " + others.format("torch.float64", "torch.float32")),
         ("backward on another context", lambda: kda_kcp.chunk_kda_bwd_kcp(do, saved, other_ctx if odd else ctx),
          failed.replace("(.+?)", "a backward") + "ValueError: ctx is not the forward's context"),
+        ("NaN do after a forward with validate=True",
+         lambda: kda_kcp.chunk_kda_bwd_kcp(nan_do if odd else do, checked, ctx),
+         failed.replace("(.+?)", "a backward") + "ValueError: .*do holds non-finite values"),
         ("saved of another type", lambda: kda_kcp.chunk_kda_bwd_kcp(do, list(saved.tensors()) if odd else saved, ctx),
          failed.replace("(.+?)", "a backward") + "TypeError: saved must be the KdaSaved"),
         ("a context of another rank", lambda: kda_kcp.chunk_kda_kcp(*_local(foreign)[0], foreign),

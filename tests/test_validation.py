@@ -166,3 +166,32 @@ def test_cuda_backend_rules_checked_before_any_kernel(args):
     bf = [x.bfloat16() if i != 3 else x for i, x in enumerate(inputs)]
     with pytest.raises(ValueError, match="head dim 128 only, got K = 16, V = 8"):
         check_inputs(*bf, ctx, CudaBackend(True))
+
+
+def test_gradient_checks_follow_the_forward(args, monkeypatch):
+    """A forward with validate=True (or KDA_KCP_VALIDATE=1) makes its backward check do and dht too: a NaN there
+    raises instead of reaching every gradient. Without it a NaN do propagates, as through any op."""
+    inputs, do, ctx = args
+    nan_do = do.clone()
+    nan_do[5, 0, 1] = float("nan")
+
+    def backward(grad, dht=None, **kw):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        o, ht = kda_kcp.chunk_kda_kcp(*leaves, ctx, output_final_state=True, **kw)
+        torch.autograd.backward((o, ht), (grad, torch.zeros_like(ht) if dht is None else dht))
+        return [x.grad for x in leaves]
+
+    with pytest.raises(ValueError, match="do holds non-finite values"):
+        backward(nan_do, validate=True)
+    ht_shape = (ctx.num_docs, 2, 16, 8)
+    with pytest.raises(ValueError, match="dht holds non-finite values"):
+        backward(do, torch.full(ht_shape, float("inf")), validate=True)
+    assert all(torch.isfinite(g).all() for g in backward(do, validate=True))
+    assert not torch.isfinite(backward(nan_do)[0]).all()  # not asked for: NaN propagates
+    _, saved = kda_kcp.chunk_kda_fwd_kcp(*inputs, ctx, validate=True)  # the explicit entries too
+    with pytest.raises(ValueError, match="do holds non-finite values"):
+        kda_kcp.chunk_kda_bwd_kcp(nan_do, saved, ctx)
+    monkeypatch.setenv("KDA_KCP_VALIDATE", "1")
+    with pytest.raises(ValueError, match="do holds non-finite values"):
+        backward(nan_do)
+
