@@ -164,6 +164,25 @@ def test_workspace_layout_cache_follows_its_key(monkeypatch):
     assert len(seen) == 8
 
 
+def test_call_tables_follow_the_tuning_knobs(monkeypatch):
+    """The forward's whole-plan tables, looked up as one entry, are those forward_tables and run_group_tables give for
+    the tuning choices in force: another segment length finds its own entry."""
+    _recorded_cuda(monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda device: 1)  # so that these small runs form run groups
+    ctx = kda_kcp.build_context_kcp(torch.tensor(offsets([1000, 1, 0, 333, 130])))
+    dev = torch.device("cpu")
+    seen = []
+    for seg in (3, 0, 3):
+        set_tuning(monkeypatch, fwd_seg_chunks=seg)
+        tabs, groups = forward.call_tables(ctx.local, 2, dev, True)
+        assert tabs is forward.forward_tables(ctx.local, 2, dev)
+        assert groups is forward.run_group_tables(ctx.local, 2, dev)
+        assert (groups is None) == (seg != 0)
+        assert forward.call_tables(ctx.local, 2, dev, False) == (tabs, None)
+        seen.append(tabs)
+    assert seen[0] is seen[2] and seen[0] is not seen[1] and seen[0].seg_chunks != seen[1].seg_chunks
+
+
 def test_workspace_keeps_its_carves():
     """A workspace's arena hands the same carve back to the next call of the same shape (the same bytes, without
     a new view); another offset, shape or dtype, another range of the buffer or another buffer is a new carve,
