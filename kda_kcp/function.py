@@ -185,10 +185,12 @@ def _not_differentiable(grads, sources):
     return node(*grads, *sources)[: len(grads)]
 
 
-# The differentiable call is two autograd nodes. KdaKcpInputs starts the ForwardCall (its first step), keeps
-# the inputs (and the incoming states) for the backward and returns a placeholder shaped like o (and one shaped
-# like the final states, when asked for); KdaKcpOutput runs the output pass (and makes the final states) and hands
-# do (and dht) back to the placeholders, so KdaKcpInputs.backward receives them and computes every gradient.
+# The differentiable call is two autograd nodes around a ForwardCall started just before them (its checks and first
+# step, with grad mode off as inside a node's forward: Function.apply's own work before a forward, ~14 us of host
+# time, then follows the call's first kernel instead of preceding it). KdaKcpInputs keeps the inputs (and the
+# incoming states) for the backward and returns a placeholder shaped like o (and one shaped like the final states,
+# when asked for); KdaKcpOutput runs the output pass (and makes the final states) and hands do (and dht) back to the
+# placeholders, so KdaKcpInputs.backward receives them and computes every gradient.
 # Why two: a non-reentrant torch.utils.checkpoint recomputation stops as soon as the tensors the backward saved
 # are back (torch's early stop, on by default). They are all saved by KdaKcpInputs, before the output pass, so
 # when nothing later in the checkpointed region saved o, the recomputation never runs the output pass (at
@@ -200,14 +202,10 @@ def _not_differentiable(grads, sources):
 
 class KdaKcpInputs(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, g, beta, initial_state, ctx, scale, deterministic, workspace, validate,
-                output_final_state, handoff):
-        call = start_forward(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, initial_state,
-                             output_final_state)
-        handoff.append(call)
+    def forward(fctx, q, k, v, g, beta, initial_state, call):
         saved = call.saved
         fctx.save_for_backward(q, k, v, g, beta, initial_state, saved.state_in)
-        fctx.kcp = (ctx, saved.scale, deterministic, workspace, saved.final_state, saved.validate)
+        fctx.kcp = (saved.ctx, saved.scale, saved.deterministic, call.workspace, saved.final_state, saved.validate)
         fctx.set_materialize_grads(False)
         # o's shape and the inputs' dtype (the dtype of o on either backend), without storage
         o = q.new_empty(()).expand(q.shape[0], q.shape[1], v.shape[2])
@@ -236,14 +234,14 @@ class KdaKcpInputs(torch.autograd.Function):
             given = iter(_not_differentiable(given, sources))
             grads = tuple(None if x is None else next(given) for x in grads)
         dh0 = grads[5] if len(grads) > 5 else None
-        return (*grads[:5], dh0, None, None, None, None, None, None, None)
+        return (*grads[:5], dh0, None)
 
 
 class KdaKcpOutput(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, handoff, *placeholders):
+    def forward(fctx, call, *placeholders):
         fctx.set_materialize_grads(False)
-        o, ht = handoff.pop().finish()
+        o, ht = call.finish()
         return o if ht is None else (o, ht)
 
     @staticmethod
@@ -254,9 +252,14 @@ class KdaKcpOutput(torch.autograd.Function):
 def chunk_kda_autograd(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None, initial_state=None,
                        output_final_state=False):
     """o of one differentiable KCP call (the two nodes above), or (o, final states) with ``output_final_state``."""
-    handoff = []
-    placeholders = KdaKcpInputs.apply(q, k, v, g, beta, initial_state, ctx, scale, deterministic, workspace, validate,
-                                      output_final_state, handoff)
+    grad_mode = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # (torch.no_grad()'s own work, without its Python context manager)
+    try:
+        call = start_forward(q, k, v, g, beta, ctx, scale, deterministic, workspace, validate, initial_state,
+                             output_final_state)
+    finally:
+        torch._C._set_grad_enabled(grad_mode)
+    placeholders = KdaKcpInputs.apply(q, k, v, g, beta, initial_state, call)
     if not isinstance(placeholders, tuple):
         placeholders = (placeholders,)
-    return KdaKcpOutput.apply(handoff, *placeholders)
+    return KdaKcpOutput.apply(call, *placeholders)

@@ -14,6 +14,7 @@ each exchange is one all-gather of equally sized buffers.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -126,7 +127,7 @@ class KcpPlan:
     def bwd_slots(self) -> int:
         return max((len(p) for p in self.bwd_publish), default=0)
 
-    @property
+    @functools.cached_property  # (read on every call's way to its first kernel; the plan is frozen)
     def needs_exchange(self) -> bool:
         return self.fwd_slots > 0
 

@@ -216,13 +216,14 @@ class WorkspaceKcp:
         synchronization), as the caching allocator orders a block's reuse across streams. Calls on one stream
         are ordered by the stream itself. Off the GPU, and while a CUDA graph is being captured (replays run in
         the order the caller gives them), there is nothing to do."""
-        if self.buffer.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        device = self.buffer.device
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
         last = self.__dict__.get("_last_use")
-        if last is not None:
-            stream = torch.cuda.current_stream(self.buffer.device)
-            if last[0] != stream:
-                stream.wait_event(last[1])
+        # the streams compared by their handles: torch.cuda.current_stream builds a Stream object (a few us of host
+        # time before the call's first kernel), needed only to wait
+        if last is not None and last[0] != torch._C._cuda_getCurrentRawStream(device.index):
+            torch.cuda.current_stream(device).wait_event(last[1])
 
     def end_use(self) -> None:
         """The call that began on the current stream has enqueued its last use of the workspace."""
@@ -232,7 +233,7 @@ class WorkspaceKcp:
         event = last[1] if last is not None else torch.cuda.Event()
         stream = torch.cuda.current_stream(self.buffer.device)
         event.record(stream)
-        self._last_use = (stream, event)
+        self._last_use = (stream.cuda_stream, event)  # (the stream's handle, as begin_use reads it)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
         """The first ``numel`` elements of the buffer as ``dtype``; raises if the buffer is too small."""

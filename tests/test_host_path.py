@@ -69,9 +69,9 @@ def _workspace(ctx, H):
 
 
 @pytest.mark.parametrize("seg", [3, 0])  # segmented walks (the records at once), whole runs in run groups
-def test_forward_launches_its_prep_in_the_first_node(monkeypatch, seg):
-    """At W = 1 the differentiable call makes its records (fwd_prep) in KdaKcpInputs, before KdaKcpOutput runs;
-    the launches, their order and their arguments are those of the call with the records made in ``finish``,
+def test_forward_launches_its_prep_before_the_nodes(monkeypatch, seg):
+    """At W = 1 the differentiable call makes its records (fwd_prep) before its first node, KdaKcpInputs, is built,
+    with grad mode off (as inside a node's forward); the launches, their order and their arguments are those of the call with the records made in ``finish``,
     with or without initial states (with them, the first run group's records stay in ``output``, after the
     initial states' rows)."""
     _recorded_cuda(monkeypatch, fwd_seg_chunks=seg)
@@ -81,16 +81,27 @@ def test_forward_launches_its_prep_in_the_first_node(monkeypatch, seg):
     ws = _workspace(ctx, H)
     x = _inputs(ctx.num_tokens, H)
     assert (forward.run_group_tables(ctx.local, H, "cpu") is None) == (seg != 0)
-    output_forward = function.KdaKcpOutput.forward
+    for node in (function.KdaKcpInputs, function.KdaKcpOutput):
+        def marked(fctx, *args, _name=f"{node.__name__}.forward", _forward=node.forward):
+            LOG.append((_name, ()))
+            return _forward(fctx, *args)
 
-    def marked(fctx, *args):
-        LOG.append(("KdaKcpOutput.forward", ()))
-        return output_forward(fctx, *args)
+        monkeypatch.setattr(node, "forward", staticmethod(marked))
+    start_forward = function.start_forward
 
-    monkeypatch.setattr(function.KdaKcpOutput, "forward", staticmethod(marked))
+    def start_marked(*args):
+        LOG.append(("start_forward", (torch.is_grad_enabled(),)))
+        return start_forward(*args)
+
+    monkeypatch.setattr(function, "start_forward", start_marked)
+    x = [t.requires_grad_() for t in x]
     kda_kcp.chunk_kda_kcp(*x, ctx, workspace=ws)
+    x = [t.detach() for t in x]
     names = [name for name, _ in LOG]
-    assert names.index("fwd_prep") < names.index("KdaKcpOutput.forward") < names.index("fwd_walk_output")
+    assert LOG[0] == ("start_forward", (False,))
+    assert (names.index("fwd_prep") < names.index("KdaKcpInputs.forward") < names.index("KdaKcpOutput.forward")
+            < names.index("fwd_walk_output"))
+    assert torch.is_grad_enabled()
     h0 = torch.randn(ctx.num_docs, H, 128, 128)
     backend = function.select_backend(None, True)
     for initial_state in (None, h0):
@@ -151,6 +162,25 @@ def test_workspace_layout_cache_follows_its_key(monkeypatch):
                 assert function._workspace_layout(ctx, H, backend, dev, 128, 128, f32, passes) is layout
                 seen.add(layout[0])
     assert len(seen) == 8
+
+
+def test_call_tables_follow_the_tuning_knobs(monkeypatch):
+    """The forward's whole-plan tables, looked up as one entry, are those forward_tables and run_group_tables give for
+    the tuning choices in force: another segment length finds its own entry."""
+    _recorded_cuda(monkeypatch)
+    monkeypatch.setattr(forward, "sm_count", lambda device: 1)  # so that these small runs form run groups
+    ctx = kda_kcp.build_context_kcp(torch.tensor(offsets([1000, 1, 0, 333, 130])))
+    dev = torch.device("cpu")
+    seen = []
+    for seg in (3, 0, 3):
+        set_tuning(monkeypatch, fwd_seg_chunks=seg)
+        tabs, groups = forward.call_tables(ctx.local, 2, dev, True)
+        assert tabs is forward.forward_tables(ctx.local, 2, dev)
+        assert groups is forward.run_group_tables(ctx.local, 2, dev)
+        assert (groups is None) == (seg != 0)
+        assert forward.call_tables(ctx.local, 2, dev, False) == (tabs, None)
+        seen.append(tabs)
+    assert seen[0] is seen[2] and seen[0] is not seen[1] and seen[0].seg_chunks != seen[1].seg_chunks
 
 
 def test_workspace_keeps_its_carves():

@@ -50,6 +50,10 @@ class CudaBackend:
     @staticmethod
     def check_supported(q, k, v, g, beta) -> None:
         """BF16 q, k, v, beta, FP32 g, head dim 128."""
+        bf16 = torch.bfloat16
+        if (q.dtype == bf16 and k.dtype == bf16 and v.dtype == bf16 and g.dtype == torch.float32 and beta.dtype == bf16
+                and q.shape[2] == _D and v.shape[2] == _D):
+            return  # (every call: the loop below builds its table of names first)
         for name, x, want in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("v", v, torch.bfloat16),
                               ("g", g, torch.float32), ("beta", beta, torch.bfloat16)):
             if x.dtype != want:
@@ -85,14 +89,15 @@ class CudaBackend:
 
     @staticmethod
     def grad_output(do: torch.Tensor) -> torch.Tensor:
-        return do.to(torch.bfloat16)  # the kernels read the output's dtype
+        # the kernels read the output's dtype (a no-op .to still costs ~2 us before the backward's first launch)
+        return do if do.dtype == torch.bfloat16 else do.to(torch.bfloat16)
 
     def upload_tables(self, ctx, num_heads: int, device, passes=None) -> None:
         """Build every index table a call of ``ctx`` at ``num_heads`` reads and put it on ``device`` now
         (WorkspaceKcp does, so that no call after it copies anything host to device)."""
         local, plan = ctx.local, ctx.plan
-        forward.forward_tables(local, num_heads, device)
-        forward.run_group_tables(local, num_heads, device)
+        for groups in (True, False):  # the whole plan's tables (and run groups), as a call looks them up
+            forward.call_tables(local, num_heads, torch.device(device), groups)
         bwd_tables.chunk_tables(local, device)
         bwd_tables.seg_tables(local, num_heads, device)
         bwd_tables.walk_groups(local, num_heads, device)

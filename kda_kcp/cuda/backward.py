@@ -31,6 +31,7 @@ import torch
 
 from .. import status
 from ..arena import Arena
+from ..jit import load_program
 from . import tuning
 from .bwd_layout import PREP_BYTES, hi_state_shape, scaled_state_shape
 from .bwd_lean import lean_grads
@@ -48,8 +49,6 @@ ENTRY_POINTS = ("bwd_prep", "bwd_fwd_walk", "bwd_rev_walk", "bwd_fwd_summary", "
 
 def load(device=None):
     """The tvm_ffi module of kda_bwd (build.json) for the arch of ``device`` (kda_kcp.jit caches it)."""
-    from ..jit import load_program
-
     return load_program("kda_bwd", device)
 
 

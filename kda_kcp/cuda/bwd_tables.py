@@ -26,8 +26,9 @@ __all__ = ["chunk_tables", "row_table", "SegTables", "seg_tables", "LeanPass", "
 
 
 def chunk_tables(plan, device):
-    """(chunks int32 [Nc, 2], whole-run walk rows int32 [R, 4] = (first chunk, chunks, run, 0)), cached."""
-    key = ("cuda_bwd_tables", str(torch.device(device)))
+    """(chunks int32 [Nc, 2], whole-run walk rows int32 [R, 4] = (first chunk, chunks, run, 0)), cached (keyed by the
+    device itself: a backward asks before its first launch, and str(torch.device(...)) costs ~1 us)."""
+    key = ("cuda_bwd_tables", device if type(device) is torch.device else torch.device(device))
     cache = plan._tables
     if key not in cache:
         t = plan.device_tables(device)

@@ -27,12 +27,13 @@ import torch
 
 from .. import status
 from ..arena import Arena
+from ..jit import load_program
 from ..partition import coalesce_ranges
 from . import tuning
 from .common import _D, CallStreams, _c, check_grid_bounds, check_tensors, even_split, side_streams, sm_count
 
 __all__ = ["load", "PreparedForward", "fwd_output", "fwd_summaries", "forward_tables", "RECORD_BYTES", "ENTRY_POINTS",
-           "run_group_tables", "early_runs", "late_runs"]
+           "run_group_tables", "call_tables", "early_runs", "late_runs"]
 
 CHUNK = 64
 RECORD_BYTES = 59904  # kda::kFwdRecordBytes (fp16 tiles, csrc/kda_fwd.h)
@@ -183,6 +184,19 @@ def run_group_tables(plan, heads: int, device, sms: int | None = None):
     return out
 
 
+def call_tables(plan, heads: int, device, groups: bool):
+    """(``forward_tables`` of the whole plan, its ``run_group_tables`` when ``groups``, else None) as one entry of the
+    plan's cache: a call reads the tuning knobs and finds the tables its prep launch needs in one look-up (each of the
+    two functions reads the knobs and builds its own key)."""
+    key = ("cuda_forward_call", heads, device, groups) + tuning.cache_key()
+    cache = plan._tables
+    tables = cache.get(key)
+    if tables is None:
+        tables = cache[key] = (forward_tables(plan, heads, device),
+                               run_group_tables(plan, heads, device) if groups else None)
+    return tables
+
+
 # the program's entry points this module calls (scripts/check_entry_points.py checks them in every build)
 ENTRY_POINTS = ("fwd_prep", "fwd_walk_summary", "fwd_walk_output", "merge_fold", "merge_compose", "fwd_record_bytes",
                 "status_fill")
@@ -190,8 +204,6 @@ ENTRY_POINTS = ("fwd_prep", "fwd_walk_summary", "fwd_walk_output", "merge_fold",
 
 def load(device=None):
     """The tvm_ffi module of kda_fwd (build.json) for the arch of ``device`` (kda_kcp.jit caches it)."""
-    from ..jit import load_program
-
     return load_program("kda_fwd", device)
 
 
@@ -224,7 +236,7 @@ class PreparedForward:
         self.word = None if counting else status.word(self.dev)
         self.H = self.q.shape[1]
         check_grid_bounds(self.H, plan.num_chunks)
-        self.tabs = forward_tables(plan, self.H, self.dev)
+        self.tabs, groups = call_tables(plan, self.H, self.dev, output_next and not counting)
         self.mod = load(self.dev) if plan.num_runs and not counting else None  # None: nothing to launch
         self.none = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes)
         self.ws = None
@@ -235,7 +247,7 @@ class PreparedForward:
         if self.q.shape[0] and plan.num_runs and self.tabs.num_chunks:
             self.ws = self.arena.empty((self.tabs.num_chunks * self.H * RECORD_BYTES,), torch.uint8)
             if self.mod is not None:
-                self.groups = run_group_tables(plan, self.H, self.dev) if output_next else None
+                self.groups = groups
                 if self.groups is None:
                     self._prep(((0, self.tabs.num_chunks),))
                 elif lead:

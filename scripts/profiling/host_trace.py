@@ -76,7 +76,7 @@ class NoKernels:
 STAGES = ((function, ("_prepare", "_split_workspace", "_workspace_layout", "backward_kcp", "check_inputs",
                        "check_grad_output", "select_backend")),
           (cuda_bwd, ("chunk_tables", "seg_tables", "walk_groups", "pipelined_walks_and_grads")),
-          (cuda_fwd, ("forward_tables",)))
+          (cuda_fwd, ("call_tables", "forward_tables")))
 METHODS = ((function.ForwardCall, ("__init__", "finish")),
            (cuda_bwd.PreparedBackward, ("__init__", "grads", "summaries")),
            (cuda_fwd.PreparedForward, ("__init__", "output", "summaries")))
