@@ -600,39 +600,6 @@ def test_pipelined_backward_is_bitwise_the_plain_one(emu, monkeypatch, max_group
     _pipelined_equals_plain(plan, inputs, do, sin, dso, monkeypatch)
 
 
-def test_prep_by_walk_group(emu, monkeypatch):
-    """With pipelined whole-run walk groups the backward's prep runs group by group, the longest group's chunk ranges
-    first (its walks, the critical chain, may then start while the other records are made): every chunk's record once,
-    and the gradients the one-launch prep's bit for bit (bwd_prep_by_group = 0)."""
-    _use_emulated_programs(emu, monkeypatch.setattr, monkeypatch.setenv)
-    set_tuning(monkeypatch, bwd_seg_chunks=0, bwd_walk_groups="2")
-    cu = [0, 70, 300, 330]
-    plan, inputs, do, sin, dso = _case(cu, 1, 19)
-    groups = bwd_tables.walk_groups(plan, 1, "cpu")
-    assert [grp.ranges for grp in groups] == [[(0, 2), (6, 7)], [(2, 6)]]
-    launches = []
-    prep = _Programs.bwd_prep
-
-    def recorded(self, q, k, v, g, beta, chunks, rec, scale, status):
-        launches.append(chunks[:, 0].tolist())  # the chunk rows' first tokens
-        prep(self, q, k, v, g, beta, chunks, rec, scale, status)
-
-    monkeypatch.setattr(_Programs, "bwd_prep", recorded)
-    got = {}
-    for flag in ("0", "1"):
-        launches.clear()
-        set_tuning(monkeypatch, bwd_prep_by_group=flag)
-        got[flag] = cb.PreparedBackward(*inputs, do, SCALE, plan).grads(sin, dso)
-        firsts = bwd_tables.chunk_tables(plan, "cpu")[0][:, 0].tolist()
-        if flag == "0":
-            assert launches == [firsts]
-        else:  # the late group's range [2, 6) first, then the early group's two ranges
-            assert launches == [firsts[2:6], firsts[0:2], firsts[6:7]]
-    for name, a, b in zip(NAMES, got["1"], got["0"]):
-        assert torch.equal(a, b), f"{name}: the prep by group differs"
-        assert a.float().abs().sum() > 0, name
-
-
 @pytest.mark.parametrize("pieces", ["2", "3"])
 def test_split_walks_are_bitwise_the_plain_backward(emu, monkeypatch, pieces):
     """Whole-run walks launched in pieces (bwd_walk_pieces; each piece starts from the FP32 state its run's

@@ -173,7 +173,6 @@ def test_each_key_forces_its_choice(monkeypatch):
         "bwd_grads_warps": (8, tuning.bwd_grads_warps, 8),
         "bwd_walk_streams": (0, tuning.bwd_walk_streams, False),
         "bwd_pipeline": (0, tuning.bwd_pipeline, False),
-        "bwd_prep_by_group": (0, tuning.bwd_prep_by_group, False),
         "bwd_walk_groups": (2, lambda: tuning.bwd_walk_groups(dict(enumerate(bench))), [[1, 0], [3, 2]]),
         "bwd_walk_pieces": (3, lambda: tuning.bwd_walk_pieces(4, 64, 8, 132), 3),
     }

@@ -95,38 +95,13 @@ class PreparedBackward:
         check_grid_bounds(self.H, plan.num_chunks)
         self.active = q.shape[0] > 0 and plan.num_runs > 0
         self.mod = load(self.dev) if self.active and not counting else None  # None: nothing to launch
-        self.prep, self.used, self.prep_done, self.main_used = None, False, None, False
+        self.prep, self.used = None, False
         if self.active and passes is None:
             chunks, _ = chunk_tables(plan, self.dev)
             self.prep = self.arena.empty((chunks.shape[0] * self.H * PREP_BYTES,), torch.uint8)
             if self.mod is not None:
-                self.prep_done = self._launch_prep(chunks)
+                self.mod.bwd_prep(q, k, v, g, beta, chunks, self.prep, self.scale, self.word)
         self.e0 = self.arena.empty((0,), torch.float32)  # an absent optional argument (0 bytes: no carve moves)
-
-    def _launch_prep(self, chunks):
-        """The records of every chunk. With pipelined whole-run walk groups, group by group, the longest group's
-        chunks first (each group's chunk ranges: the same records, each made by the same CTA code, so the results
-        are bitwise those of one launch), so that the longest walks, the backward's critical chain, start once
-        their own records exist while the shorter groups' records are made beside them (as the forward's run
-        groups do, docs/kernels.md §2). Returns the event recorded after each group's records (in the groups'
-        order), or None (one launch, or not on a CUDA device)."""
-        mod, H = self.mod, self.H
-        args = (self.q, self.k, self.v, self.g, self.beta)
-        groups = walk_groups(self.plan, H, self.dev) if tuning.bwd_prep_by_group() else None
-        st = seg_tables(self.plan, H, self.dev) if groups is not None else None
-        if groups is None or len(groups) < 2 or st.num_sum_f or st.num_sum_r:
-            mod.bwd_prep(*args, chunks, self.prep, self.scale, self.word)
-            return None
-        cuda = self.dev.type == "cuda"
-        rec, rows = H * PREP_BYTES, self.arena.rows
-        done = [None] * len(groups)
-        for gi in range(len(groups) - 1, -1, -1):  # the longest group is the last in ``groups``: first here
-            for c0, c1 in groups[gi].ranges:
-                mod.bwd_prep(*args, rows(chunks, c0, c1), rows(self.prep, c0 * rec, c1 * rec), self.scale, self.word)
-            if cuda:
-                done[gi] = torch.cuda.Event()
-                done[gi].record()
-        return done if cuda else None
 
     def summaries(self, run_ids, arena=None):
         """(Mt [n, H, K, K], F [n, H, K, V]) fp32 of the listed runs: dS_in = Mt dS_out + F; scratch from ``arena``
@@ -146,7 +121,6 @@ class PreparedBackward:
             f = arena.empty((tabs.num_rows, H, _D, _D), torch.float32)
         if self.mod is None:
             return Mt, F
-        self.main_used = True  # the summaries run on the current stream: the walks then wait for all of it
         if self.prep is None:  # (lean)
             self.mod.bwd_prep(self.q, self.k, self.v, self.g, self.beta, tabs.chunks, prep, self.scale, self.word)
         warps = tuning.bwd_rev_summary_warps(tabs.num_rows, H, sm_count(self.dev))
@@ -253,10 +227,7 @@ class PreparedBackward:
                 mod.bwd_grads(q, k, v, g, beta, do, arena.rows(chunks, c0, c1), arena.rows(prep, c0 * rec, c1 * rec),
                               arena.rows(h, c0, c1), arena.rows(dh, c0, c1), dq, dk, dv, dg, dbeta, scale, grads_warps)
 
-        # each group's walks wait for their own records only, unless the current stream has made something they read
-        # since the preps (incoming states, state gradients, summaries): then for all of it
-        ready = self.prep_done if state_in is None and dstate_out is None and not self.main_used else None
-        pipelined_walks_and_grads(groups, launch_walk, launch_grads, self.dev, ready)
+        pipelined_walks_and_grads(groups, launch_walk, launch_grads, self.dev)
         return grads
 
 

@@ -72,17 +72,14 @@ def launch_waits(groups, gi: int, p: int) -> tuple:
     return (gi, "fwd", p), (gi, "rev", groups[gi].rev_blocks.index(p))
 
 
-def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device, ready=None) -> None:
+def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device) -> None:
     """Every group's walks, each group's reverse and forward chain on two side streams of its own at high priority,
     piece by piece (``WalkGroup``), and the gradients of each block of each group on a side stream of their own at
     normal priority, each once the forward and the reverse piece of that block end (``launch_waits``); everything
     enqueued in ``launch_order``; joined at the end. High priority: a walk piece launched while gradient CTAs wait
     for SMs takes the next SM free instead of queueing behind whole gradient launches (a chain's pieces are
     serial). On the CPU (the emulated kernels) the launches run one after the other in that order, so a gradient
-    launch runs before every walk piece it does not wait for: a dependency the events miss changes its result there.
-    ``ready``: an event per group after which its walks may start (its records made: ``PreparedBackward``'s prep by
-    group; nothing else they read is made on the current stream), or None: every walk waits for all the current
-    stream has queued. The gradients always do."""
+    launch runs before every walk piece it does not wait for: a dependency the events miss changes its result there."""
     order = launch_order(groups)
     if torch.device(device).type != "cuda" or not tuning.bwd_walk_streams():
         run_in_order(groups, order, launch_walk, launch_grads)
@@ -91,14 +88,8 @@ def pipelined_walks_and_grads(groups, launch_walk, launch_grads, device, ready=N
     main = streams.main
     walk_pool = side_streams("bwd_walks", main.device, 2 * len(groups), priority=-1)
     grads_pool = side_streams("bwd_grads", main.device, sum(grp.pieces for grp in groups))
-    for gi in range(len(groups)):
-        for s in walk_pool[2 * gi: 2 * gi + 2]:
-            if ready is None:
-                streams.join(s, main)  # the records and buffers carved so far
-            else:
-                ready[gi].wait(s)  # this group's records (the buffers are carves: no kernel has written them)
-    for s in grads_pool:
-        streams.join(s, main)
+    for s in walk_pool + grads_pool:
+        streams.join(s, main)  # the records and buffers carved so far
     done = {}  # (group, what, piece) -> the event recorded after that walk piece
     grads_streams = iter(grads_pool)
     for gi, what, p in order:

@@ -44,7 +44,6 @@ KNOBS = {
     "bwd_grads_warps": ((8, 16), "warps per gradient kernel CTA"),
     "bwd_walk_streams": ((0, 1), "the backward's two walk chains on two streams"),
     "bwd_pipeline": ((0, 1), "the backward's walks pipelined with the gradient kernel"),
-    "bwd_prep_by_group": ((0, 1), "the backward's records made by walk group, the longest group's first"),
     "bwd_walk_groups": ((2, 3, 4), "walk groups at most"),
     "bwd_walk_pieces": (tuple(range(1, 17)), "launches per whole-run walk chain"),
 }
@@ -262,12 +261,6 @@ def bwd_walk_streams() -> bool:
 def bwd_pipeline() -> bool:
     """Whether the backward's walks are pipelined with the gradient kernel (walk groups and pieces): yes."""
     return _or("bwd_pipeline", 1) == 1
-
-
-def bwd_prep_by_group() -> bool:
-    """Whether the backward's prep runs by walk group, the longest group's first, each group's walks starting once
-    its own records are made (PreparedBackward._launch_prep): with pipelined whole-run walk groups."""
-    return bwd_pipeline() and _or("bwd_prep_by_group", 1) == 1
 
 
 MAX_WALK_GROUPS = 4  # (two streams each)
