@@ -17,6 +17,7 @@ when it runs, through the same cache as the eager call.
 Eager calls never come here; they keep the two autograd nodes of ``kda_kcp.function``.
 """
 
+import zlib
 from typing import Optional
 
 import torch
@@ -54,7 +55,7 @@ Tensor = torch.Tensor
 def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
          ctx_handle: Optional[Tensor], cu_seqlens: Optional[Tensor], packed_rows: int, scale: Optional[float],
          deterministic: bool, workspace_handle: Optional[Tensor], validate: bool, output_final_state: bool,
-         num_docs: int) -> tuple[Tensor, Tensor, Tensor]:
+         num_docs: int, backward_tag: int) -> tuple[Tensor, Tensor, Tensor]:
 
     ctx = _context(ctx_handle, cu_seqlens, packed_rows, q.shape[0])
     if output_final_state and num_docs != ctx.num_docs:
@@ -72,7 +73,7 @@ def _fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, g, beta, initial_state, ctx_handle, cu_seqlens, packed_rows, scale, deterministic,
-              workspace_handle, validate, output_final_state, num_docs):
+              workspace_handle, validate, output_final_state, num_docs, backward_tag):
     runs = torch.library.get_ctx().new_dynamic_size()  # the context's run count is known when the op runs
     state_dtype = _state_dtype(q, k, v, g, beta, deterministic)
     H, K, V = q.shape[1], q.shape[2], v.shape[2]
@@ -106,7 +107,7 @@ def _bwd_fake(do, dht, q, k, v, g, beta, state_in, initial_state, ctx_handle, cu
 
 def _setup_context(ctx, inputs, output):  # ctx: autograd's (torch passes it by this name)
     (q, k, v, g, beta, initial_state, ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle,
-     validate, output_final_state, _) = inputs
+     validate, output_final_state, _, _) = inputs
     ctx.save_for_backward(q, k, v, g, beta, output[1], initial_state, ctx_handle, cu_seqlens, workspace_handle)
     ctx.call = (packed_rows, scale, deterministic, output_final_state, validate)
 
@@ -120,10 +121,23 @@ def _backward(ctx, do, _dstate_in, dht):
                                   ctx_handle, cu_seqlens, packed_rows, scale, deterministic, workspace_handle,
                                   output_final_state, validate)
     dh0 = grads[5] if initial_state is not None else None
-    return (*grads[:5], dh0, *[None] * 9)
+    return (*grads[:5], dh0, *[None] * 10)
 
 
 _fwd.register_autograd(_backward, setup_context=_setup_context)
+
+# What torch's compile caches (the FX graph and AOT autograd caches, on disk across processes) key a compiled call
+# on is the forward graph; the backward graph, traced from ``_backward``, is stored with it. A kda_kcp whose ``bwd``
+# op or ``_backward`` differs would then run a cached backward that calls ``bwd`` with the old arguments (a
+# RuntimeError "missing value for argument" in a training run after an upgrade). The forward passes this tag of
+# both, a constant in its graph, so that such a change is a new key.
+def _code_key(fn) -> tuple:
+    code = fn.__code__  # (its constants but nested code objects, whose repr carries an address)
+    return code.co_code, tuple(c for c in code.co_consts if not isinstance(c, type(code)))
+
+
+_BACKWARD_TAG = zlib.crc32(repr((str(torch.ops.kda_kcp.bwd.default._schema), _code_key(_backward),
+                                 _code_key(_setup_context))).encode()) & 0x7FFFFFFF
 
 
 def chunk_kda_op(q, k, v, g, beta, ctx, scale, deterministic: bool, workspace=None, validate=None, cu_seqlens=None,
@@ -158,5 +172,5 @@ def chunk_kda_op(q, k, v, g, beta, ctx, scale, deterministic: bool, workspace=No
     o, _, ht = torch.ops.kda_kcp.fwd(q, k, v, g, beta, initial_state, None if ctx is None else ctx._graph_handle,
                                      cu_seqlens, packed_rows, scale, deterministic,
                                      None if workspace is None else workspace._graph_handle, values_requested(validate),
-                                     output_final_state, num_docs)
+                                     output_final_state, num_docs, _BACKWARD_TAG)
     return (o, ht) if output_final_state else o

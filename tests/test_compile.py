@@ -131,6 +131,32 @@ def test_validate_reaches_the_compiled_backward():
         o.backward(do)
 
 
+def test_the_forward_graph_names_the_backward():
+    """torch's compile caches key a compiled call on its forward graph and keep the backward traced with it; the
+    forward op carries a tag of the bwd op's schema and of the code that calls it, a constant in that graph, so a
+    kda_kcp whose backward differs gets a new key instead of a cached backward calling ``bwd`` with old arguments
+    (the RuntimeError an upgrade would otherwise bring to a persistent TORCHINDUCTOR_CACHE_DIR)."""
+    import kda_kcp.library as library
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ctx = kda_kcp.build_context_kcp(offsets([40, 24]))
+    inputs, do = make_inputs(ctx.cu_seqlens, H=H, K=K, V=V, dtype=F32, seed=5)
+    compiled = fresh_compile(lambda q, k, v, g, beta: kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx), keep)
+    compiled(*inputs)
+    fwd_op = (torch.ops.kda_kcp.fwd, torch.ops.kda_kcp.fwd.default)
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.target in fwd_op]
+    assert len(calls) == 1
+    assert calls[0].args[-1] == library._BACKWARD_TAG
+    schema = str(torch.ops.kda_kcp.bwd.default._schema)
+    code = (library._code_key(library._backward), library._code_key(library._setup_context))
+    assert library._BACKWARD_TAG == library.zlib.crc32(repr((schema, *code)).encode()) & 0x7FFFFFFF
+
+
 def test_eager_keeps_its_two_autograd_nodes():
     """Outside torch.compile nothing goes through the custom ops (eager's host time does not move)."""
     ctx = kda_kcp.build_context_kcp(offsets([20]))
