@@ -44,8 +44,9 @@ __all__ = [
 _warned_forced_det = False
 
 
-def _package(deterministic):
-    """det or nondet for this flag (nondet is overridden by torch's deterministic mode, with one warning)."""
+def _package(deterministic, stacklevel=3):
+    """det or nondet for this flag (nondet is overridden by torch's deterministic mode, with one warning, attributed
+    ``stacklevel`` frames up: the caller's line)."""
     global _warned_forced_det
     if not check_flag("deterministic", deterministic):
         if not torch.are_deterministic_algorithms_enabled():
@@ -56,7 +57,7 @@ def _package(deterministic):
                 "kda_kcp: deterministic=False while torch.use_deterministic_algorithms(True) is on; "
                 "running the deterministic package kda_kcp.det",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
     return det
 
@@ -64,8 +65,8 @@ def _package(deterministic):
 def _call_package(deterministic, ctx, kind):
     """``_package`` of a call on ``ctx``: a bad flag on one rank raises on every rank (kda_kcp.agreement)."""
     try:
-        return _package(deterministic)
-    except Exception as exc:  # noqa: BLE001 - agreed with the other ranks, which wait in the call's agreement
+        return _package(deterministic, stacklevel=4)
+    except (TypeError, ValueError) as exc:  # agreed with the other ranks, which wait in the call's agreement
         agree_failure(ctx, kind, exc)
 
 

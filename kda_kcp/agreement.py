@@ -42,7 +42,8 @@ _FIELDS = (
 _AT = {name: i for i, name in enumerate(_FIELDS)}
 _PACKED = struct.Struct(f"<{len(_FIELDS)}q")  # torch.frombuffer of its bytes: ~3 us, torch.tensor(list) ~25 us
 _NUM_CONTEXT = _AT["local_tokens"] - _AT["world_size"]
-_NUM_PROPERTIES = len(_FIELDS) - _AT["local_tokens"]
+_PROPERTY_FIELDS = _FIELDS[_AT["local_tokens"]:]
+_NUM_PROPERTIES = len(_PROPERTY_FIELDS)
 _CONTEXT = slice(_AT["world_size"], _AT["local_tokens"])
 _SHARED = slice(_AT["H"], len(_FIELDS))
 
@@ -78,17 +79,28 @@ def call_properties(q, k, v, g, beta, do, scale: float, deterministic: bool, wor
         arena, passes = 1, 0
     else:
         arena, passes = 2, workspace.lean_passes
-    codes = [_DTYPE_CODE[x.dtype] if x is not None else 0 for x in (q, k, v, g, beta, do, initial_state)]
-    return [q.shape[0], q.shape[1], q.shape[2], v.shape[2], *codes[:6], _scale_bits(scale), int(deterministic), arena,
-            passes, codes[6], int(final_state), 0]
+    codes = dict(zip(("q", "k", "v", "g", "beta", "do", "initial_state"),
+                     (_DTYPE_CODE[x.dtype] if x is not None else 0 for x in (q, k, v, g, beta, do, initial_state))))
+    return _properties(local_tokens=q.shape[0], H=q.shape[1], K=q.shape[2], V=v.shape[2], **codes,
+                       scale=_scale_bits(scale), deterministic=int(deterministic), arena=arena, lean_passes=passes,
+                       final_state=int(final_state))
+
+
+def _properties(**fields) -> list[int]:
+    """The header's property fields in their order: those named, the others 0."""
+    unknown = set(fields).difference(_PROPERTY_FIELDS)
+    if unknown:
+        raise KeyError(f"not property fields of the header: {sorted(unknown)}")
+    return [fields.get(name, 0) for name in _PROPERTY_FIELDS]
 
 
 def layer_properties(qkv, H: int, K: int, V: int, conv_weight, deterministic: bool) -> list[int]:
     """The header's property fields of a KimiDeltaAttention forward (kda_kcp.nn) before its convolution's exchange,
     which all-gathers rows of ``qkv`` [T, H * (2K + V)] (its dtype in the ``q`` field, the convolution weight's in
     ``k``) over as many rows per rank as the convolution's size."""
-    codes = [_DTYPE_CODE[qkv.dtype], _DTYPE_CODE[conv_weight.dtype]]
-    return [qkv.shape[0], H, K, V, *codes, 0, 0, 0, 0, 0, int(deterministic), 0, 0, 0, 0, conv_weight.shape[-1]]
+    return _properties(local_tokens=qkv.shape[0], H=H, K=K, V=V, q=_DTYPE_CODE[qkv.dtype],
+                       k=_DTYPE_CODE[conv_weight.dtype], deterministic=int(deterministic),
+                       conv_size=conv_weight.shape[-1])
 
 
 def _exchange_headers(group, world_size: int, header: list[int], error: BaseException | None) -> list[list[int]]:

@@ -236,6 +236,8 @@ def chunk_kda(
     """
     from . import _package, chunk_kda_kcp  # the facade (this module is imported by the package's __init__)
 
+    compiling = torch.compiler.is_compiling()  # the custom op then makes the context when it runs (kda_kcp.library)
+
     def checked_and_packed(q, k, v, g, beta, initial_state):
         """The call's checks, its context, the activations and the packed [B * T, ...] inputs."""
         flags = dict(output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -249,12 +251,11 @@ def chunk_kda(
         B, T, H, K, HV = _check_tensors(q, k, v, g, beta, A_log, dt_bias)
         if isinstance(initial_state, torch.Tensor):  # any layout, as FLA takes it (e.g. one state expanded over B)
             initial_state = initial_state.contiguous()
-        compiling = torch.compiler.is_compiling()  # the custom op then makes the context when it runs (kda_kcp.library)
         ctx = None if compiling else packed_context(B, T, cu_seqlens, cu_seqlens_cpu, cp_context)
         out_dtype = q.dtype
 
         # off the GPU the torch backend runs (or, with KDA_KCP_BACKEND=cuda, the call raises at its checks)
-        backend = select_backend(q.device, _package(deterministic).DETERMINISTIC) if q.is_cuda else TORCH
+        backend = select_backend(q.device, _package(deterministic, 4).DETERMINISTIC) if q.is_cuda else TORCH
         fused = None
         if use_qk_l2norm_in_kernel or use_gate_in_kernel or use_beta_sigmoid_in_kernel:
             # what the KDA call would refuse is refused before the fused pass launches anything
@@ -284,17 +285,17 @@ def chunk_kda(
 
         q, k, v, g, beta = packed(q, qkv_dtype), packed(k, qkv_dtype), packed(v, qkv_dtype), packed(g, g_dtype), \
             packed(beta, beta_dtype)
-        return q, k, v, g, beta, initial_state, ctx, compiling, out_dtype, B, T, HV
+        return q, k, v, g, beta, initial_state, ctx, out_dtype, B, T, HV
 
     args = (q, k, v, g, beta, initial_state)
-    if torch.compiler.is_compiling():
+    if compiling:  # (no collective under a compiled graph's tracing)
         packed_call = checked_and_packed(*args)
     else:
         try:
             packed_call = checked_and_packed(*args)
         except Exception as exc:  # noqa: BLE001 - under KCP one rank's failure raises on every rank
             agree_failure(cp_context, "forward", exc)
-    q, k, v, g, beta, initial_state, ctx, compiling, out_dtype, B, T, HV = packed_call
+    q, k, v, g, beta, initial_state, ctx, out_dtype, B, T, HV = packed_call
     states = dict(initial_state=initial_state, output_final_state=output_final_state)
     if compiling:
         cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens

@@ -21,8 +21,7 @@ from .backend import select_backend
 from .sizing import exchange_elements, workspace_bytes
 from .steps import ForwardCall, KdaSaved, run_backward
 from .validate import (check_context, check_final_state_grad, check_flag, check_gradient_values, check_grad_output,
-                       check_initial_state,
-                       check_inputs, check_scale, check_values, values_requested)
+                       check_initial_state, check_inputs, check_scale, check_values, values_requested)
 from .workspace import WorkspaceKcp
 
 __all__ = ["start_forward", "forward_kcp", "backward_kcp", "check_saved", "KdaKcpInputs", "KdaKcpOutput",
@@ -118,10 +117,8 @@ def start_forward(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, v
     backend, scale, dt, xbuf, arena = agree_call(
         ctx, "forward", _prepare, _forward_properties, q, k, v, g, beta, ctx, scale, deterministic, workspace,
         validate, initial_state, output_final_state)
-    call = ForwardCall(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, None,
-                       initial_state, output_final_state)
-    call.saved.validate = values_requested(validate)
-    return call
+    return ForwardCall(backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace, None,
+                       initial_state, output_final_state, validate=values_requested(validate))
 
 
 def forward_kcp(q, k, v, g, beta, ctx, scale, deterministic, workspace=None, validate=None, initial_state=None,

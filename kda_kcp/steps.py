@@ -148,12 +148,13 @@ class ForwardCall:
 
     @_without_autocast
     def __init__(self, backend, q, k, v, g, beta, ctx, scale, deterministic, dt, xbuf, arena, workspace=None,
-                 walk_early=None, initial_state=None, output_final_state=False, records_now=None):
+                 walk_early=None, initial_state=None, output_final_state=False, records_now=None, validate=False):
         """``dt``: the states' dtype; ``xbuf``: the exchange buffer (None: allocated); ``arena``: the backend's
         scratch (None: allocated); ``walk_early``: whether the runs whose document starts here may be walked beside
         the exchange (None: unless this runs inside a backward pass; never with initial states, which those runs
         start from); ``records_now``: whether a call without exchange makes its records here rather than in
-        ``finish`` (None: unless this runs inside a backward pass)."""
+        ``finish`` (None: unless this runs inside a backward pass); ``validate``: the call's value checks were asked
+        for (its backward then checks its gradients' values too)."""
         self.backend, self.arena = backend, arena
         plan, local = ctx.plan, ctx.local
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
@@ -190,7 +191,7 @@ class ForwardCall:
                 self.prepared = self.backend.fwd_prepare(q, k, v, g, beta, scale, local, self.arena, output_next=True,
                                                          lead=initial_state is None)
         self.saved = KdaSaved(q, k, v, g, beta, state_in, scale, deterministic, ctx, initial_state,
-                              bool(output_final_state))
+                              bool(output_final_state), validate=validate)
         self.saved.record_versions()  # the saved tensors are references: the backward checks they are unchanged
 
     @_without_autocast

@@ -59,6 +59,7 @@ def test_nondet_under_torch_deterministic_mode_runs_det_and_warns_once(monkeypat
     assert saved.deterministic is True
     relevant = [w for w in caught if "use_deterministic_algorithms" in str(w.message)]
     assert len(relevant) == 1
+    assert relevant[0].filename == __file__  # attributed to the caller's line, not to the library
 
 
 def test_packages_reject_the_other_mode(batch):
