@@ -1,8 +1,9 @@
-// Timing proxy of G2's premise (docs/kernels.md, G2): one item is NPH phases; in each, every warpgroup of the item
-// runs its wgmma products (m64n128k16 from shared memory; one warpgroup per phase carries 1.5x, as v1's dKg), an
-// epilogue of its 64 accumulators per thread (exp, bf16 pack, shared store) and a CTA-wide barrier. LOCK: the item's
-// 4 warpgroups in one 16-warp CTA, one per SM (v1's gradient kernel); SPLIT: two independent 8-warp CTAs of 2
-// warpgroups per item, two per SM, the same work per warpgroup. No loads (operands are garbage in shared memory).
+// Timing proxy of a gradient item split into two independent half-item CTAs (docs/kernels.md, Ideas measured and
+// rejected). One item is NPH phases; in each, every warpgroup of the item runs its wgmma products (m64n128k16 from
+// shared memory; one warpgroup per phase carries 1.5x, as v1's dKg), an epilogue of its 64 accumulators per thread
+// (exp, bf16 pack, shared store) and a CTA-wide barrier. LOCK: the item's 4 warpgroups in one 16-warp CTA, one per
+// SM (v1's gradient kernel); SPLIT: two independent 8-warp CTAs of 2 warpgroups per item, two per SM, the same work
+// per warpgroup. No loads (operands are garbage in shared memory).
 // Build and run (sm_90a; -DNPH=n phases, -DBASE=n products per warpgroup and phase):
 //   nvcc -O3 -std=c++20 -gencode arch=compute_90a,code=sm_90a -Icsrc -o /tmp/split scripts/profiling/split_proxy.cu \
 //       && /tmp/split 64
