@@ -136,8 +136,12 @@ def _code_key(fn) -> tuple:
     return code.co_code, tuple(c for c in code.co_consts if not isinstance(c, type(code)))
 
 
-_BACKWARD_TAG = zlib.crc32(repr((str(torch.ops.kda_kcp.bwd.default._schema), _code_key(_backward),
-                                 _code_key(_setup_context))).encode()) & 0x7FFFFFFF
+def _backward_tag(schema: str, *fns) -> int:
+    """The tag of a backward op's schema and of the functions that call it (a non-negative int64 constant)."""
+    return zlib.crc32(repr((schema, *map(_code_key, fns))).encode()) & 0x7FFFFFFF
+
+
+_BACKWARD_TAG = _backward_tag(str(torch.ops.kda_kcp.bwd.default._schema), _backward, _setup_context)
 
 
 def chunk_kda_op(q, k, v, g, beta, ctx, scale, deterministic: bool, workspace=None, validate=None, cu_seqlens=None,

@@ -153,8 +153,12 @@ def test_the_forward_graph_names_the_backward():
     assert len(calls) == 1
     assert calls[0].args[-1] == library._BACKWARD_TAG
     schema = str(torch.ops.kda_kcp.bwd.default._schema)
-    code = (library._code_key(library._backward), library._code_key(library._setup_context))
-    assert library._BACKWARD_TAG == library.zlib.crc32(repr((schema, *code)).encode()) & 0x7FFFFFFF
+    assert library._BACKWARD_TAG == library._backward_tag(schema, library._backward, library._setup_context)
+    # another schema (an argument added) or other code calling it is another tag
+    other = schema.replace(") ->", ", bool extra=False) ->")
+    assert other != schema
+    assert library._backward_tag(other, library._backward, library._setup_context) != library._BACKWARD_TAG
+    assert library._backward_tag(schema, library._backward, library._fwd_fake) != library._BACKWARD_TAG
 
 
 def test_eager_keeps_its_two_autograd_nodes():

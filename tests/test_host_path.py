@@ -71,9 +71,9 @@ def _workspace(ctx, H):
 @pytest.mark.parametrize("seg", [3, 0])  # segmented walks (the records at once), whole runs in run groups
 def test_forward_launches_its_prep_before_the_nodes(monkeypatch, seg):
     """At W = 1 the differentiable call makes its records (fwd_prep) before its first node, KdaKcpInputs, is built,
-    with grad mode off (as inside a node's forward); the launches, their order and their arguments are those of the call with the records made in ``finish``,
-    with or without initial states (with them, the first run group's records stay in ``output``, after the
-    initial states' rows)."""
+    with grad mode off (as inside a node's forward); the launches, their order and their arguments are those of the
+    call with the records made in ``finish``, with or without initial states (with them, the first run group's
+    records stay in ``output``, after the initial states' rows)."""
     _recorded_cuda(monkeypatch, fwd_seg_chunks=seg)
     monkeypatch.setattr(forward, "sm_count", lambda device: 1)  # so that these small runs form run groups
     ctx = kda_kcp.build_context_kcp(torch.tensor(offsets([1000, 1, 0, 333, 130])))
