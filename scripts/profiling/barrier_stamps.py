@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Which warps each CTA-wide barrier of the gradient kernel waits for: a stamped copy of the tree whose
 grads_kernel<16> records, in every warp, the SM clock (clock64) on arriving at each __syncthreads, in the CTAs of
-head 0 whose chunk index is 5 mod 128, and prints them; the summary gives per barrier (in execution order, with its
+head 0 whose first token / 64 is 5 mod 128, and prints them; the summary gives per barrier (in execution order, with its
 source line) the phase it closes (the last warp's arrival after the previous barrier's last), the mean time a warp
 waits there, and how far each warpgroup's last warp arrives before the slowest.
 
@@ -44,8 +44,9 @@ __device__ int g_bar_line[2048 * 64];
   } while (0)
 '''
 
-STAMP_SELECT = '''  const bool stamp_cta = NW == 16 && h == 0 && c % 128 == 5;  // (c counts from the launch's first chunk)
-  const int stamp_slot = (c / 128) % 2048;
+STAMP_SELECT = '''  // tok, the batch's token (c counts from the launch's first chunk)
+  const bool stamp_cta = NW == 16 && h == 0 && (tok / 64) % 128 == 5;
+  const int stamp_slot = static_cast<int>((tok / (64 * 128)) % 2048);
   int stamp_n = 0;
   KDA_ARRIVE();
 '''
@@ -116,15 +117,16 @@ def summarise(lines) -> None:
         for i in range(1, n):
             arr = [stamps[i][w] for w in range(16)]
             last = max(arr)
-            r.append((last - prev, st.mean(last - a for a in arr), [last - max(arr[4 * g:4 * g + 4]) for g in range(4)]))
+            ahead = [last - max(arr[4 * g:4 * g + 4]) for g in range(4)]
+            r.append((last - prev, st.mean(last - a for a in arr), ahead))
             prev = last
         rows.append(r)
     if not rows:
         sys.exit("no complete one-anchor CTA in the output")
     n = min(len(r) for r in rows)
     total = st.median(sum(p[0] for p in r[:n]) for r in rows)
-    print(f"{len(rows)} one-anchor CTAs; median cycles per barrier (execution order): the phase it closes, the mean wait "
-          "of a warp there, each warpgroup's last warp ahead of the slowest")
+    print(f"{len(rows)} one-anchor CTAs; median cycles per barrier (execution order): the phase it closes, the mean "
+          "wait of a warp there, each warpgroup's last warp ahead of the slowest")
     for i in range(n):
         ph = st.median(r[i][0] for r in rows)
         wait = st.median(r[i][1] for r in rows)
