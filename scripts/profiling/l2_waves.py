@@ -19,30 +19,20 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-import kda_kcp  # noqa: E402
-from profile_step import DOCS, step_inputs  # noqa: E402
+from profile_step import DOCS, run_step  # noqa: E402
 
 KERNELS = ("grads_kernel", "rev_walk_kernel", "fwd_walk_kernel", "prep_kernel", "walk_kernel")
 
 
 def kernel_times(docs, H, steps=3):
-    """{kernel: (ms per step, launches per step)} over ``steps`` profiled forward + backward steps."""
-    dev = torch.device("cuda")
-    cu, *inputs = step_inputs(docs, H, dev)
-    q, k, v, g, beta = (x.requires_grad_() for x in inputs)
-    ctx = kda_kcp.build_context_kcp(torch.tensor(cu, device=dev))
-    do = torch.randn(cu[-1], H, 128, device=dev).bfloat16()
-
-    def step():
-        o = kda_kcp.chunk_kda_kcp(q, k, v, g, beta, ctx, deterministic=True)
-        torch.autograd.grad(o, (q, k, v, g, beta), do)
-
+    """{kernel: (ms per step, launches per step)} over ``steps`` profiled forward + backward steps, and the chunk-heads
+    of one step (profile_step.run_step: inputs drawn afresh; only kda_kcp's kernels are counted)."""
     for _ in range(3):
-        step()
+        run_step(docs, H)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            step()
+            run_step(docs, H)
         torch.cuda.synchronize()
     out = {}
     for e in prof.events():
@@ -55,7 +45,7 @@ def kernel_times(docs, H, steps=3):
             key = "backward prep" if "bwd" in e.name else "forward prep"
         t, n = out.get(key, (0.0, 0))
         out[key] = (t + e.device_time / 1e3 / steps, n + 1)
-    return {key: (t, n // steps) for key, (t, n) in out.items()}, (cu[-1] // 64) * H
+    return {key: (t, n // steps) for key, (t, n) in out.items()}, sum(-(-n // 64) for n in docs) * H
 
 
 def main():
@@ -65,7 +55,8 @@ def main():
         times, items = kernel_times(docs, H)
         print(f"{len(docs)} documents of {docs[0]}+ tokens, H = {H}: {items} chunk-heads, {items / sms:.1f} waves")
         for key, (ms, n) in sorted(times.items()):
-            print(f"  {key:16s} {ms:8.3f} ms a step ({n} launches), {ms * 1e3 * sms / items:7.2f} us of an SM a chunk-head")
+            per_item = ms * 1e3 * sms / items
+            print(f"  {key:16s} {ms:8.3f} ms a step ({n} launches), {per_item:7.2f} us of an SM a chunk-head")
 
 
 if __name__ == "__main__":
