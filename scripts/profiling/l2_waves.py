@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from kda_kcp.plan import CHUNK  # noqa: E402
 from profile_step import DOCS, run_step  # noqa: E402
 
 KERNELS = ("grads_kernel", "rev_walk_kernel", "fwd_walk_kernel", "prep_kernel", "walk_kernel")
@@ -45,7 +46,7 @@ def kernel_times(docs, H, steps=3):
             key = "backward prep" if "bwd" in e.name else "forward prep"
         t, n = out.get(key, (0.0, 0))
         out[key] = (t + e.device_time / 1e3 / steps, n + 1)
-    return {key: (t, n // steps) for key, (t, n) in out.items()}, sum(-(-n // 64) for n in docs) * H
+    return {key: (t, n // steps) for key, (t, n) in out.items()}, sum(-(-n // CHUNK) for n in docs) * H
 
 
 def main():
