@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 #include <memory>
+#include <mutex>
 typedef int cudaError_t;
 struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
@@ -43,6 +44,13 @@ constexpr int cudaFuncAttributeMaxDynamicSharedMemorySize = 0;
 constexpr int cudaFuncAttributePreferredSharedMemoryCarveout = 1;
 constexpr int cudaSharedmemCarveoutMaxShared = 100;
 inline const char* cudaGetErrorString(int) { return "emu"; }
+// the probes' host code (tests/probes): device memory is host memory here, launches are synchronous
+constexpr int cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2;
+inline int cudaMalloc(void** p, std::size_t n) { *p = std::malloc(n); return *p ? cudaSuccess : cudaErrorInvalidValue; }
+inline int cudaFree(void* p) { std::free(p); return cudaSuccess; }
+inline int cudaMemcpy(void* d, const void* s, std::size_t n, int) { std::memcpy(d, s, n); return cudaSuccess; }
+inline int cudaMemset(void* d, int v, std::size_t n) { std::memset(d, v, n); return cudaSuccess; }
+inline int cudaDeviceSynchronize() { return cudaSuccess; }
 inline int g_last_error = 0;  // the latest launch error, cleared by cudaGetLastError
 inline int cudaGetLastError() { const int e = g_last_error; g_last_error = 0; return e; }
 template <class K> inline int cudaFuncSetAttribute(K, int, int) { return 0; }
@@ -70,6 +78,8 @@ struct BlockCtx {
   std::unique_ptr<std::barrier<>> bar;
   std::vector<std::unique_ptr<WarpCtx>> warps;
   std::atomic<int> vote[3] = {0, 0, 0};  // __syncthreads_or: call n votes into slot n % 3
+  std::mutex mu;                          // guards `pipe`
+  std::shared_ptr<void> pipe;             // the emulated pipeline pieces' state (kda_pipeline.cuh), made on first use
 };
 inline BlockCtx* g_block = nullptr;
 inline thread_local WarpCtx* t_warp = nullptr;
