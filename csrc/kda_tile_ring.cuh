@@ -10,16 +10,17 @@
 namespace kda::pipe {
 
 // A `full` barrier per slot (one producer arrival plus the slot's bytes) and an `empty` one (one arrival per consumer
-// warp that reads the slot). Producer and consumers walk the same fixed order of tiles, each with its own RingPos.
+// thread that reads the slot: an arrival releases only its own thread's reads, so every reader arrives). Producer and
+// consumers walk the same fixed order of tiles, each with its own RingPos.
 template <int SLOTS>
 struct RingBarriers {
   uint64_t full[SLOTS];
   uint64_t empty[SLOTS];
   // by one thread, then fence_mbarrier_init and a CTA-wide barrier
-  __device__ __forceinline__ void init(uint32_t consumer_warps) {
+  __device__ __forceinline__ void init(uint32_t consumer_threads) {
     for (int s = 0; s < SLOTS; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], consumer_warps);
+      mbar_init(&empty[s], consumer_threads);
     }
   }
 };
@@ -46,7 +47,7 @@ template <int SLOTS>
 __device__ __forceinline__ void ring_wait(RingBarriers<SLOTS>& rb, const RingPos<SLOTS>& pos) {
   mbar_wait(&rb.full[pos.slot], pos.parity);
 }
-// Consumer warp (one lane, after the warp's last read of the slot): the slot may be refilled
+// Consumer thread, after its last read of the slot: the slot may be refilled once every reader has released it
 template <int SLOTS>
 __device__ __forceinline__ void ring_release(RingBarriers<SLOTS>& rb, const RingPos<SLOTS>& pos) {
   mbar_arrive(&rb.empty[pos.slot]);

@@ -1,7 +1,7 @@
 """The pipeline pieces of the v2 kernels (csrc/kda_pipeline.cuh, csrc/kda_tile_ring.cuh) on the GPU:
 tests/probes/pipeline_probe.cu built by nvcc for this GPU's arch and run as tests/test_pipeline_emulation.py runs its
 emulated build, streaming tiles through the ring into bulk stores (every value must be right), and under
-compute-sanitizer's racecheck and synccheck where the sanitizer is installed. Skips, with its reason, without an
+compute-sanitizer's racecheck, synccheck and memcheck where the sanitizer is installed. Skips, with its reason, without an
 sm_90a / sm_100a / sm_103a GPU or without nvcc."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_ring_streams_every_tile(probe, grid, tiles):
     assert _wrong([str(probe), "0", str(grid), str(tiles)], tiles) == 0
 
 
-@pytest.mark.parametrize("tool", ["racecheck", "synccheck"])
+@pytest.mark.parametrize("tool", ["racecheck", "synccheck", "memcheck"])
 def test_probe_under_compute_sanitizer(probe, tool):
     san = shutil.which("compute-sanitizer") or next(
         (str(p) for p in (Path("/usr/local/cuda/bin/compute-sanitizer"),) if p.exists()), None)

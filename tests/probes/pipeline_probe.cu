@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring_probe(const ProbeArgs a) {
   ProbeSmem& s = *reinterpret_cast<ProbeSmem*>(smem);
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
   if (tid == 0) {
-    s.ring.init(4 * kConsumers);  // every consumer warp releases every slot
+    s.ring.init(128 * kConsumers);  // every consumer thread releases every slot
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -72,10 +72,11 @@ __global__ void __launch_bounds__(kThreads, 1) ring_probe(const ProbeArgs a) {
       if (!(MODE == kSkipWait && i == 1)) ring_wait(s.ring, pos);
       const float* x = s.slot[pos.slot] + kHalf * c;
       for (int j = ct; j < kHalf; j += 128) s.stage[c][j] = 2.f * x[j] + static_cast<float>(t);
-      __syncwarp();
-      if (lane == 0) ring_release(s.ring, pos);
+      // the slot's reads and the staging writes (ordinary accesses), then the next copy into the slot and the bulk
+      // store's reads (the async proxy)
+      fence_proxy_async();
+      ring_release(s.ring, pos);
       pos.advance();
-      fence_proxy_async();  // the staging writes, then the bulk store's reads
       named_sync(1 + c, 128);
       // the staging tile is free again once the store has read it: warp 0 (whose thread 0 stores) arrives at a
       // second barrier without waiting, the other warps wait there (a barrier of its own, so that warp 0's next
