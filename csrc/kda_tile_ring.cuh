@@ -1,5 +1,5 @@
 // The tile ring of the v2 kernels (docs/kernels.md, B2's structure) on the pieces of kda_pipeline.cuh: SLOTS slots of
-// shared memory that a producer warp fills by bulk copies in a fixed order of tiles and consumer warps release once
+// shared memory that a producer warp fills by bulk copies in a fixed order of tiles and consumer threads release once
 // read. The same source runs in the CPU emulation (tests/emulation/kda_pipeline.cuh stands for the pieces).
 #pragma once
 
