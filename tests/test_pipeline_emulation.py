@@ -4,11 +4,10 @@ their emulation (tests/emulation/kda_pipeline.cuh), which lands a bulk copy only
 reads a bulk store's source only at its wait. The probe streams tiles through the ring into bulk stores and must get
 every value right; with one wait left out (the consumers' wait for a tile, the wait before a staging tile is written
 again) it must get values wrong, so the emulation catches those mistakes. With nvcc, the probe also compiles for
-every arch the programs are built for (tests/gpu/test_pipeline_cuda.py runs it on the GPU)."""
+every arch build.json builds (tests/gpu/test_pipeline_cuda.py runs it on the GPU)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kda_kcp import jit
 from test_kernel_emulation import EMU, ROOT, _emulated
 
 PROBE = Path(__file__).resolve().parent / "probes" / "pipeline_probe.cu"
@@ -63,20 +63,20 @@ def test_a_staging_tile_written_before_its_store_has_read_it(probe):
     assert _run(probe, 2, 2, 12) >= 0.99 * 10 * 4096
 
 
-def _nvcc():
-    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    return shutil.which("nvcc") or (str(Path(home) / "bin" / "nvcc") if (Path(home) / "bin" / "nvcc").exists() else None)
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
-def test_probe_compiles_for_every_arch(tmp_path, arch):
-    nvcc = _nvcc()
+def probe_nvcc_command(arch, out, *extra):
+    """nvcc (found as kda_kcp's JIT finds it) building the probe for ``arch`` into ``out``, or None without nvcc."""
+    nvcc = jit._find_nvcc()
     if nvcc is None:
+        return None
+    return [nvcc, "-std=c++17", "-O2", jit.gencode_flag(arch), f"-I{ROOT / 'csrc'}", *extra, str(PROBE), "-o", str(out)]
+
+
+@pytest.mark.parametrize("arch", sorted(a for a, v in jit.manifest()["archs"].items() if v["buildable"]))
+def test_probe_compiles_for_every_arch(tmp_path, arch):
+    cmd = probe_nvcc_command(arch, tmp_path / "probe.o", "-Xptxas", "-v", "-c")
+    if cmd is None:
         pytest.skip("no nvcc")
-    num = arch[3:]
-    out = subprocess.run([nvcc, "-std=c++17", "-O2", f"-gencode=arch=compute_{num},code={arch}", "-Xptxas", "-v",
-                          f"-I{ROOT / 'csrc'}", "-c", str(PROBE), "-o", str(tmp_path / "probe.o")],
-                         capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     # setmaxnreg needs the kernel's register count fixed by its launch bound: 65,536 / 384 threads -> 168
     regs = re.findall(r"Used (\d+) registers", out.stderr)

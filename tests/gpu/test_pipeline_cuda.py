@@ -12,24 +12,22 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
+
+from kda_kcp import jit
 
 from gpu_common import require_kernel_gpu
-from test_pipeline_emulation import PROBE, ROOT, _nvcc
+from test_pipeline_emulation import probe_nvcc_command
 
 require_kernel_gpu("the pipeline probe's tests")
 
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("no nvcc to build the probe")
-    major, minor = torch.cuda.get_device_capability()
-    num = f"{major}{minor}a"
     exe = tmp_path_factory.mktemp("pipeline_cuda") / "pipeline_probe"
-    subprocess.run([nvcc, "-std=c++17", "-O2", f"-gencode=arch=compute_{num},code=sm_{num}", f"-I{ROOT / 'csrc'}",
-                    str(PROBE), "-o", str(exe)], check=True)
+    cmd = probe_nvcc_command(jit.arch_of_device(), exe)
+    if cmd is None:
+        pytest.skip("no nvcc to build the probe")
+    subprocess.run(cmd, check=True)
     return exe
 
 
@@ -48,8 +46,8 @@ def test_ring_streams_every_tile(probe, grid, tiles):
 
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck", "memcheck"])
 def test_probe_under_compute_sanitizer(probe, tool):
-    san = shutil.which("compute-sanitizer") or next(
-        (str(p) for p in (Path("/usr/local/cuda/bin/compute-sanitizer"),) if p.exists()), None)
+    beside_nvcc = Path(jit._find_nvcc() or "/nonexistent").parent / "compute-sanitizer"  # the toolkit ships both
+    san = shutil.which("compute-sanitizer") or (str(beside_nvcc) if beside_nvcc.exists() else None)
     if san is None:
         pytest.skip("no compute-sanitizer")
     assert _wrong([san, "--tool", tool, "--error-exitcode", "1", str(probe), "0", "4", "40"], 40) == 0
