@@ -12,7 +12,8 @@
 //   rev_walk_kernel  (run, head):          dS^T in registers, serial from the run's end: writes dh
 //                                          (gradient of the state leaving each chunk) and dV_new (into the
 //                                          record), both fp16 at a power of two per warp, or the backward summary
-//                                          (M^T | F) of a run from a zero dS.
+//                                          (M^T | F) of a run from a zero dS. Its stages come through a
+//                                          ring filled by a producer warpgroup (RevRing).
 //                                          Both walks: the state products by wgmma on sm_90a (WalkShape::WGMMA),
 //                                          mma.sync elsewhere; bitwise the same results.
 //   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads)
@@ -30,6 +31,7 @@
 #include "kda_common.cuh"
 #include "kda_state_tile.cuh"
 #include "kda_tile_copy.cuh"
+#include "kda_tile_ring.cuh"
 
 namespace kda {
 namespace bwd {
@@ -290,9 +292,9 @@ __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
 // NW warps per CTA (4 or 8, chosen per launch), each owning 16 columns x all 128 keys.
 //
 // 8 warps cover the whole state of a (run, head) (128 value columns) in one CTA. With 4 (64 columns, two CTAs per
-// (run, head)) both CTAs load the same W, Kg, Qg, Aqk and gamma every step, and a reverse-walk CTA (146 KiB of
-// shared memory with its stages on 1024-byte groups) takes an SM alone: at H = 16 the 128 reverse and 128 forward walk CTAs of the benchmark batch
-// could not all be resident, and the longest run's reverse walk started 2 ms late (scripts/profiling/timeline_step.py).
+// (run, head)) both CTAs load the same W, Kg, Qg, Aqk and gamma every step, and a reverse-walk CTA (a ring of three
+// stages on 1024-byte groups, 219 KiB of shared memory) takes an SM alone: at H = 16 the 128 reverse and 128 forward
+// walk CTAs of the benchmark batch could not all be resident, and the longest run's reverse walk started 2 ms late (scripts/profiling/timeline_step.py).
 // With 8 warps 64 + 64 CTAs fit and the records are read once per step. But an 8-warp CTA steps slower than a
 // 4-warp one alone on its SM (two warps per SM sub-partition): a launch of few CTAs (the KCP exchange's run
 // summaries) is a chain of latency-bound steps, and there 4 warps are faster. kda_kcp/cuda/backward.py chooses.
@@ -497,20 +499,20 @@ struct WalkCta {
         ssrc(a.runs[4 * r + 3]) {}
 };
 
-// A run's nc chunks from chunk first pass through two cp.async stages of STAGE bytes, in order (REVERSE: from the
-// last): the next chunk's stage loads while this chunk's products run. load(st, c) stages chunk c.
-template <bool REVERSE, class Load>
+// The forward walk's stages: a run's nc chunks from chunk first pass through two cp.async stages of STAGE bytes in
+// order, the next chunk's stage loading while this chunk's products run. load(st, c) stages chunk c.
+template <class Load>
 __device__ __forceinline__ void walk_stage_first(char* smem, int first, int nc, const Load& load) {
-  if (nc > 0) load(smem, REVERSE ? first + nc - 1 : first);
+  if (nc > 0) load(smem, first);
   cp_async_commit();
 }
-// The stage of chunk first + j, the walk's i-th, once complete; the walk's next chunk loads into the other stage. The
-// walk's products then read the stage, and a barrier after them frees it for the next prefetch.
-template <bool WGMMA, bool REVERSE, int STAGE, class Load>
-__device__ __forceinline__ char* walk_stage_next(char* smem, int i, int j, int first, int nc, const Load& load) {
-  char* st = smem + (i & 1) * STAGE;
-  if (REVERSE ? j > 0 : j + 1 < nc) {
-    load(smem + ((i + 1) & 1) * STAGE, REVERSE ? first + j - 1 : first + j + 1);
+// The stage of chunk first + j once complete; chunk j + 1 loads into the other stage. The walk's products then read
+// the stage, and a barrier after them frees it for the next prefetch.
+template <bool WGMMA, int STAGE, class Load>
+__device__ __forceinline__ char* walk_stage_next(char* smem, int j, int first, int nc, const Load& load) {
+  char* st = smem + (j & 1) * STAGE;
+  if (j + 1 < nc) {
+    load(smem + ((j + 1) & 1) * STAGE, first + j + 1);
     cp_async_commit();
     cp_async_wait1();
   } else {
@@ -547,9 +549,9 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     state_tile_init<!SUMMARY>(ST, src, !withU, vcol, g4, l4);
   }
   auto load = [&](char* st, int c) { fwd_stage_load<NW>(st, a, c, h, col0, withU); };
-  walk_stage_first<false>(smem, first, nc, load);
+  walk_stage_first(smem, first, nc, load);
   for (int j = 0; j < nc; ++j) {
-    char* st = walk_stage_next<Sh::WGMMA, false, FW_STAGE>(smem, j, j, first, nc, load);
+    char* st = walk_stage_next<Sh::WGMMA, FW_STAGE>(smem, j, first, nc, load);
     const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::FW_W);
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::FW_KG);
     const uint16_t* sU = reinterpret_cast<const uint16_t*>(st + Sh::FW_U);
@@ -601,11 +603,28 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
   }
 }
 
+// The reverse walk's CTA: NW warps step the state (consumers), a warpgroup after them fills a ring of SLOTS stages by
+// cp.async, up to SLOTS chunks ahead of the step (kda_tile_ring.cuh); a consumer releases a stage once its step's
+// products are done, so no CTA-wide barrier stands between steps.
 template <int NW>
-__device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF) {
+struct RevRing {
   using Sh = WalkShape<NW>;
-  constexpr int NT = Sh::NT;
-  const int tid = thread_index();
+  static constexpr int NC = Sh::NT;             // consumer (state) threads
+  static constexpr int NP = 128;                // producer threads: a whole warpgroup, setmaxnreg's unit
+  static constexpr int NT = NC + NP;
+  static constexpr int SLOTS = (232448 - 64) / Sh::RW_STAGE;  // 3 at NW = 4, 2 at NW = 8
+  static constexpr int SMEM = SLOTS * Sh::RW_STAGE + static_cast<int>(sizeof(pipe::RingBarriers<SLOTS>));
+  // registers a thread of each side runs with at NW = 8 (384 threads: 168 each at launch); 128 x 72 + 256 x 216 is
+  // the CTA's 64,512. At NW = 4 (256 threads) every thread has what ptxas gives it.
+  static constexpr int kProducerRegs = 72, kConsumerRegs = 216;
+  static_assert(SLOTS >= 2 && SMEM <= 232448, "reverse walk shared memory");
+};
+
+// chunk c's stage, by the producer's thread ptid (of RevRing<NW>::NP)
+template <int NW>
+__device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, int h, int col0, bool withF, int tid) {
+  using Sh = WalkShape<NW>;
+  constexpr int NT = RevRing<NW>::NP;
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::RW_W), reinterpret_cast<const bf16*>(rec + kRecW), tid);
   load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::RW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), tid);
@@ -623,10 +642,12 @@ __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, i
 }
 
 // SUMMARY: virtual columns [M^T (0..127) | F (128..255)]; else 128 value columns; grid.z = columns / (16 NW).
+// Threads: RevRing<NW> (NW state warps, then the producer warpgroup).
 template <bool SUMMARY, int NW>
-__global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
+__global__ void __launch_bounds__(RevRing<NW>::NT, 1) rev_walk_kernel(const Args a) {
   using Sh = WalkShape<NW>;
-  constexpr int WCOLS = Sh::COLS, RW_STAGE = Sh::RW_STAGE;
+  using Ring = RevRing<NW>;
+  constexpr int WCOLS = Sh::COLS, RW_STAGE = Sh::RW_STAGE, SLOTS = Ring::SLOTS;
   extern __shared__ __align__(128) char smem[];
   // wgmma's swizzle is on address bits: its B tiles must start on 1024-byte boundaries of the window
   if (Sh::WGMMA && (smem_u32(smem) & 1023) != 0) __trap();
@@ -635,6 +656,29 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
   const int lane = w.lane, warp = w.warp, r = w.r, h = w.h, H = w.H, col0 = w.col0, vloc = w.vloc, vcol = w.vcol,
             g4 = w.g4, l4 = w.l4, first = w.first, nc = w.nc, sidx = w.sidx;
   const bool withF = w.carries;  // the F part (dO terms) vs the M^T part
+  auto& ring = *reinterpret_cast<pipe::RingBarriers<SLOTS>*>(smem + SLOTS * RW_STAGE);
+  if (threadIdx.x == 0) {
+    ring.init(Ring::NC, Ring::NP);
+    pipe::fence_mbarrier_init();
+  }
+  __syncthreads();
+  // the warpgroup index made warp-uniform for the compiler (a shuffle of lane 0's), so that each side's code is
+  // allocated the registers its setmaxnreg gives it
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+  if (wg >= Ring::NC / 128) {  // the producer: the run's stages from its last chunk, in the consumers' order
+    if constexpr (NW == 8) pipe::regs_release<Ring::kProducerRegs>();
+    pipe::RingPos<SLOTS> pos;
+    for (int jj = 0; jj < nc; ++jj) {
+      pipe::ring_acquire_cp_async(ring, pos);
+      rev_stage_load<NW>(smem + pos.slot * RW_STAGE, a, first + nc - 1 - jj, h, col0, withF,
+                         static_cast<int>(threadIdx.x) - Ring::NC);
+      pipe::ring_commit_cp_async(ring, pos);
+      pos.advance();
+    }
+    cp_async_wait_all();  // (its pieces have landed once the consumers saw them; none may be left at exit)
+    return;
+  }
+  if constexpr (NW == 8) pipe::regs_claim<Ring::kConsumerRegs>();
   float ST[16][4];
   {
     const float* src = nullptr;
@@ -644,11 +688,12 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
     }
     state_tile_init<!SUMMARY>(ST, src, !withF, vcol, g4, l4);
   }
-  auto load = [&](char* st, int c) { rev_stage_load<NW>(st, a, c, h, col0, withF); };
-  walk_stage_first<true>(smem, first, nc, load);
+  pipe::RingPos<SLOTS> pos;
   for (int jj = 0; jj < nc; ++jj) {
     const int j = nc - 1 - jj;
-    char* st = walk_stage_next<Sh::WGMMA, true, RW_STAGE>(smem, jj, j, first, nc, load);
+    pipe::ring_wait(ring, pos);
+    if constexpr (Sh::WGMMA) fence_async_smem();  // the stage's cp.async writes, then wgmma's reads
+    char* st = smem + pos.slot * RW_STAGE;
     const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::RW_W);
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::RW_KG);
     const bf16* sQg = reinterpret_cast<const bf16*>(st + Sh::RW_QG);
@@ -750,7 +795,8 @@ __global__ void __launch_bounds__(NW * 32) rev_walk_kernel(const Args a) {
         state_tile_rank16(ST, vh, vl, sW, ks, lane);
       }
     }
-    __syncthreads();  // the next iteration's prefetch overwrites this stage
+    pipe::ring_release(ring, pos);  // the step's products are done with the stage: the producer may refill it
+    pos.advance();
   }
   if constexpr (SUMMARY) {
     float* dst = (withF ? a.f_out : a.mt_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
@@ -1615,13 +1661,17 @@ cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cuda
   return cudaGetLastError();
 }
 
-// A walk or summary kernel of NW warps over grid (rows, heads, columns / (16 NW)): two stages. REV: the reverse
-// walk's stages, else the forward walk's; SUMMARY: the 256 virtual columns [M^T | F] or [M | E], else 128.
+// A walk or summary kernel of NW state warps over grid (rows, heads, columns / (16 NW)). REV: the reverse walk
+// (RevRing: a producer warpgroup and a ring of stages), else the forward walk (two stages); SUMMARY: the 256 virtual
+// columns [M^T | F] or [M | E], else 128.
 template <bool REV, bool SUMMARY, int NW>
 cudaError_t launch_walk_nw(const Args& a, cudaStream_t s) {
   using Sh = WalkShape<NW>;
   const int zdim = (SUMMARY ? 2 * D : D) / Sh::COLS;
-  if constexpr (REV) return launch(rev_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Sh::NT, 2 * Sh::RW_STAGE, a, s);
+  if constexpr (REV) {
+    using Ring = RevRing<NW>;
+    return launch(rev_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Ring::NT, Ring::SMEM, a, s);
+  }
   else return launch(fwd_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Sh::NT, 2 * Sh::FW_STAGE, a, s);
 }
 // The gradient kernel of NW warps over every chunk of a. Chunk-major: grid (H, kMaxGridY, pieces) over the whole

@@ -1,5 +1,5 @@
 // The warp-specialization pieces of the v2 kernels (docs/kernels.md, Kernels v2: B2's structure): mbarriers with
-// transaction counts, 1-D bulk copies from global into shared memory that complete on an mbarrier, bulk stores from
+// transaction counts, arrivals on cp.async completion, 1-D bulk copies from global into shared memory that complete on an mbarrier, bulk stores from
 // shared memory back, named barriers over part of a CTA, and setmaxnreg. kda_tile_ring.cuh builds the tile ring on them.
 //
 // sm_90a and later (sm_100a, sm_103a have every instruction used here). tests/emulation/kda_pipeline.cuh is the CPU
@@ -32,6 +32,12 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 // one arrival that also makes the phase wait for `bytes` more of bulk copies
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// One arrival once every cp.async this thread has issued so far has landed (`.noinc`: the arrival is one of the
+// phase's count): a producer that fills a slot by 16-byte cp.async pieces (layouts a 1-D bulk copy cannot write,
+// such as the swizzled wgmma tiles) completes the slot's phase this way without waiting for its own copies.
+__device__ __forceinline__ void cp_async_mbar_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 // Waits until the phase of parity `parity` has completed (a fresh barrier is in phase 0, so waiting on parity 1
 // returns at once: a ring's producer passes its first round of empty slots that way).

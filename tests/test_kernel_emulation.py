@@ -61,10 +61,10 @@ def _build(out: Path, defines: tuple[str, ...] = ()) -> Path:
     """csrc/kda_bwd.cu, csrc/kda_fwd.cu and the affine merge, unchanged but for _emulated, in one library."""
     inc = out / "inc"
     inc.mkdir()
-    for f in ("cuda_runtime.h", "cuda_bf16.h", "cuda_fp16.h", "kda_common.cuh"):
+    for f in ("cuda_runtime.h", "cuda_bf16.h", "cuda_fp16.h", "kda_common.cuh", "kda_pipeline.cuh"):
         shutil.copy(EMU / f, inc / f)
-    # their "kda_common.cuh" is then the emulated one
-    for f in ("kda_state_tile.cuh", "kda_chunk_prep.cuh", "kda_tile_copy.cuh"):
+    # their "kda_common.cuh" and "kda_pipeline.cuh" are then the emulated ones
+    for f in ("kda_state_tile.cuh", "kda_chunk_prep.cuh", "kda_tile_copy.cuh", "kda_tile_ring.cuh"):
         shutil.copy(ROOT / "csrc" / f, inc / f)
     (inc / "kda_affine_merge.cuh").write_text(_emulated((ROOT / "csrc" / "kda_affine_merge.cuh").read_text()))
     units = []

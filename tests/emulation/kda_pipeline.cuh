@@ -2,7 +2,8 @@
 // (csrc/kda_tile_ring.cuh compiles unchanged on top of it).
 // Deliberately late where the hardware may be late, so that a kernel missing a wait reads or writes the wrong data:
 // - a bulk copy reads its source at issue but lands in shared memory only when its mbarrier is next used (waited on
-//   by any thread, or arrived at for its next phase), and its bytes count against the phase until then;
+//   by any thread, or arrived at for its next phase), and its bytes count against the phase until then; so do the
+//   cp.async pieces a thread hands to a barrier with cp_async_mbar_arrive;
 // - a bulk store reads its shared-memory source only when its thread waits for its group (bulk_wait_read /
 //   bulk_wait), so a staging tile written again before that wait reaches global memory with the new data;
 // - a thread that ends with bulk stores still pending aborts (the hardware needs the wait before the CTA exits);
@@ -70,6 +71,7 @@ inline void emu_arrive(const uint64_t* bar, uint32_t bytes) {
   }
   m.tx += bytes;
   --m.pending;
+  p.cv.notify_all();  // a waiter for this phase settles it once the last arrival is in
 }
 
 inline void mbar_init(uint64_t* bar, uint32_t count) {
@@ -83,6 +85,30 @@ inline void mbar_init(uint64_t* bar, uint32_t count) {
 inline void fence_mbarrier_init() {}
 inline void mbar_arrive(uint64_t* bar) { emu_arrive(bar, 0); }
 inline void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) { emu_arrive(bar, bytes); }
+// this thread's cp.async pieces (committed or not) move to the barrier's phase and land with it, as bulk copies do
+inline void cp_async_mbar_arrive(uint64_t* bar) {
+  std::vector<EmuCopy> mine;
+  auto take = [&](const std::vector<AsyncCopy>& g) {
+    for (const AsyncCopy& c : g) mine.push_back({c.dst, std::vector<unsigned char>(c.bytes, c.bytes + 16)});
+  };
+  for (const auto& g : t_async.pending) take(g);
+  take(t_async.open);
+  t_async.pending.clear();
+  t_async.open.clear();
+  EmuPipeBlock& p = emu_pipe();
+  std::lock_guard<std::mutex> g(p.mu);
+  EmuMbar& m = emu_mbar(p, bar);
+  if (m.pending == 0) {  // the previous phase, whose copies nobody has waited for yet
+    emu_settle(p, m);
+    if (m.pending == 0) std::abort();  // an arrival past the phase's count
+  }
+  for (EmuCopy& c : mine) {  // they land with the phase: counted as its bytes, expected by this arrival
+    m.tx += static_cast<int64_t>(c.bytes.size());
+    m.copies.push_back(std::move(c));
+  }
+  --m.pending;
+  p.cv.notify_all();
+}
 inline void mbar_wait(uint64_t* bar, uint32_t parity) {
   EmuPipeBlock& p = emu_pipe();
   std::unique_lock<std::mutex> g(p.mu);
