@@ -63,6 +63,18 @@ def test_a_staging_tile_written_before_its_store_has_read_it(probe):
     assert _run(probe, 2, 2, 12) >= 0.99 * 10 * 4096
 
 
+@pytest.mark.parametrize("grid,tiles", [(1, 3), (2, 12), (3, 29)])
+def test_ring_filled_by_cp_async_pieces(probe, grid, tiles):
+    """The slots filled by 16-byte cp.async pieces, each producer lane arriving on the slot's barrier once its pieces
+    land (the reverse walk's producer): every value right."""
+    assert _run(probe, 3, grid, tiles) == 0
+
+
+def test_cp_async_pieces_land_only_with_their_phase(probe):
+    # the pieces handed to the barrier land when its phase completes: read before the wait, tile 1 is stale
+    assert _run(probe, 4, 2, 12) >= 2 * 4096
+
+
 def probe_nvcc_command(arch, out, *extra):
     """nvcc (found as kda_kcp's JIT finds it) building the probe for ``arch`` into ``out``, or None without nvcc."""
     nvcc = jit._find_nvcc()

@@ -31,23 +31,26 @@ def probe(tmp_path_factory):
     return exe
 
 
-def _wrong(cmd, tiles):
+def _wrong(cmd, mode, tiles):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    m = re.search(r"mode 0: (\d+) of (\d+) values wrong", out.stdout)
+    m = re.search(rf"mode {mode}: (\d+) of (\d+) values wrong", out.stdout)
     assert m and int(m[2]) == tiles * 4096, out.stdout
     return int(m[1])
 
 
+# mode 0: slots filled by bulk copies; mode 3: by cp.async pieces, each producer lane arriving on the slot's barrier
+@pytest.mark.parametrize("mode", [0, 3])
 @pytest.mark.parametrize("grid,tiles", [(1, 3), (7, 100), (132, 2112)])
-def test_ring_streams_every_tile(probe, grid, tiles):
-    assert _wrong([str(probe), "0", str(grid), str(tiles)], tiles) == 0
+def test_ring_streams_every_tile(probe, mode, grid, tiles):
+    assert _wrong([str(probe), str(mode), str(grid), str(tiles)], mode, tiles) == 0
 
 
+@pytest.mark.parametrize("mode", [0, 3])
 @pytest.mark.parametrize("tool", ["racecheck", "synccheck", "memcheck"])
-def test_probe_under_compute_sanitizer(probe, tool):
+def test_probe_under_compute_sanitizer(probe, mode, tool):
     beside_nvcc = Path(jit._find_nvcc() or "/nonexistent").parent / "compute-sanitizer"  # the toolkit ships both
     san = shutil.which("compute-sanitizer") or (str(beside_nvcc) if beside_nvcc.exists() else None)
     if san is None:
         pytest.skip("no compute-sanitizer")
-    assert _wrong([san, "--tool", tool, "--error-exitcode", "1", str(probe), "0", "4", "40"], 40) == 0
+    assert _wrong([san, "--tool", tool, "--error-exitcode", "1", str(probe), str(mode), "4", "40"], mode, 40) == 0

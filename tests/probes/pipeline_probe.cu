@@ -7,6 +7,9 @@
 // by one bulk store behind named barriers of their own. Usage: pipeline_probe MODE GRID TILES; it prints
 // "mode M: W of N values wrong". Modes 1 and 2 leave out one wait each (the consumers' wait for tile 1; the wait
 // before a staging tile is written again): the emulation must then give wrong values (on the GPU they are races).
+// Modes 3 and 4 fill the slots by 16-byte cp.async pieces from the producer warp's 32 lanes instead, each lane
+// completing the slot's phase by cp.async.mbarrier.arrive (the reverse walk's producer); mode 4 leaves out the
+// consumers' wait for tile 1.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -33,7 +36,7 @@ struct ProbeSmem {
 };
 constexpr int kSmem = static_cast<int>(sizeof(ProbeSmem));
 
-enum Mode { kCorrect = 0, kSkipWait = 1, kEarlyOverwrite = 2 };
+enum Mode { kCorrect = 0, kSkipWait = 1, kEarlyOverwrite = 2, kCpAsync = 3, kCpAsyncSkipWait = 4 };
 
 struct ProbeArgs {
   const float* in;
@@ -45,9 +48,11 @@ template <int MODE>
 __global__ void __launch_bounds__(kThreads, 1) ring_probe(const ProbeArgs a) {
   extern __shared__ __align__(128) char smem[];
   ProbeSmem& s = *reinterpret_cast<ProbeSmem*>(smem);
+  constexpr bool kByPieces = MODE == kCpAsync || MODE == kCpAsyncSkipWait;
   const int tid = threadIdx.x, wg = tid / 128, lane = tid & 31;
   if (tid == 0) {
-    s.ring.init(128 * kConsumers);  // every consumer thread releases every slot
+    // every consumer thread releases every slot; the slot fills with one arrival (bulk) or one per producer lane
+    s.ring.init(128 * kConsumers, kByPieces ? 32 : 1);
     fence_mbarrier_init();
   }
   __syncthreads();
@@ -56,12 +61,19 @@ __global__ void __launch_bounds__(kThreads, 1) ring_probe(const ProbeArgs a) {
     if (tid < 32) {
       RingPos<kSlots> pos;
       for (int t = blockIdx.x; t < a.tiles; t += gridDim.x) {
-        if (lane == 0) ring_acquire(s.ring, pos, kTile * 4);
-        __syncwarp();  // the slot's bytes are expected before any row lands
-        bulk_load(s.slot[pos.slot] + kRow * lane, a.in + static_cast<int64_t>(t) * kTile + kRow * lane, kRow * 4,
-                  &s.ring.full[pos.slot]);
+        const float* src = a.in + static_cast<int64_t>(t) * kTile;
+        if constexpr (kByPieces) {
+          ring_acquire_cp_async(s.ring, pos);
+          for (int p = lane; p < kTile / 4; p += 32) kda::cp_async16(s.slot[pos.slot] + 4 * p, src + 4 * p, true);
+          ring_commit_cp_async(s.ring, pos);
+        } else {
+          if (lane == 0) ring_acquire(s.ring, pos, kTile * 4);
+          __syncwarp();  // the slot's bytes are expected before any row lands
+          bulk_load(s.slot[pos.slot] + kRow * lane, src + kRow * lane, kRow * 4, &s.ring.full[pos.slot]);
+        }
         pos.advance();
       }
+      if constexpr (kByPieces) kda::cp_async_wait_all();  // none of a thread's pieces may be left at its exit
     }
   } else {
     regs_claim<232>();
@@ -69,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring_probe(const ProbeArgs a) {
     RingPos<kSlots> pos;
     int i = 0;
     for (int t = blockIdx.x; t < a.tiles; t += gridDim.x, ++i) {
-      if (!(MODE == kSkipWait && i == 1)) ring_wait(s.ring, pos);
+      if (!((MODE == kSkipWait || MODE == kCpAsyncSkipWait) && i == 1)) ring_wait(s.ring, pos);
       const float* x = s.slot[pos.slot] + kHalf * c;
       for (int j = ct; j < kHalf; j += 128) s.stage[c][j] = 2.f * x[j] + static_cast<float>(t);
       // the slot's reads and the staging writes (ordinary accesses), then the next copy into the slot and the bulk
@@ -124,9 +136,11 @@ int main(int argc, char** argv) {
   cudaMemcpy(din, in.data(), n * 4, cudaMemcpyHostToDevice);
   cudaMemset(dout, 0, n * 4);
   const ProbeArgs a{din, dout, tiles};
-  const int err = mode == kSkipWait ? launch<kSkipWait>(grid, a)
-                  : mode == kEarlyOverwrite ? launch<kEarlyOverwrite>(grid, a)
-                                            : launch<kCorrect>(grid, a);
+  const int err = mode == kSkipWait           ? launch<kSkipWait>(grid, a)
+                  : mode == kEarlyOverwrite   ? launch<kEarlyOverwrite>(grid, a)
+                  : mode == kCpAsync          ? launch<kCpAsync>(grid, a)
+                  : mode == kCpAsyncSkipWait ? launch<kCpAsyncSkipWait>(grid, a)
+                                              : launch<kCorrect>(grid, a);
   if (err) {
     std::printf("launch failed: %s\n", cudaGetErrorString(cudaGetLastError()));
     return 2;
