@@ -368,7 +368,7 @@ def bwd_summary_chunks(run_chunks: list[int], heads: int, sms: int) -> int:
 
 
 # SMs a (row, head) of a launch takes at 4 warps per CTA (``walk_warps``' demand): a reverse walk is 2 CTAs of
-# 148 KB (one per SM), a forward walk 2 CTAs of 101 KB (two share an SM); the two chains run at once. A summary
+# 219 KB (one per SM), a forward walk 2 CTAs of 86 KB (two share an SM); the two chains run at once. A summary
 # has twice the columns. The KCP exchange's reverse summaries run alone.
 WALK_SMS = 3
 SUMMARY_SMS = 2 * WALK_SMS
