@@ -294,7 +294,8 @@ __global__ void __launch_bounds__(chunk_prep::NT, 2) prep_kernel(const Args a) {
 // 8 warps cover the whole state of a (run, head) (128 value columns) in one CTA. With 4 (64 columns, two CTAs per
 // (run, head)) both CTAs load the same W, Kg, Qg, Aqk and gamma every step, and a reverse-walk CTA (a ring of three
 // stages on 1024-byte groups, 219 KiB of shared memory) takes an SM alone: at H = 16 the 128 reverse and 128 forward
-// walk CTAs of the benchmark batch could not all be resident, and the longest run's reverse walk started 2 ms late (scripts/profiling/timeline_step.py).
+// walk CTAs of the benchmark batch could not all be resident, and the longest run's reverse walk started 2 ms late
+// (scripts/profiling/timeline_step.py).
 // With 8 warps 64 + 64 CTAs fit and the records are read once per step. But an 8-warp CTA steps slower than a
 // 4-warp one alone on its SM (two warps per SM sub-partition): a launch of few CTAs (the KCP exchange's run
 // summaries) is a chain of latency-bound steps, and there 4 warps are faster. kda_kcp/cuda/backward.py chooses.
