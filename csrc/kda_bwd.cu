@@ -615,11 +615,11 @@ struct RevRing {
   static constexpr int NT = NC + NP;
   static constexpr int SLOTS = (232448 - 64) / Sh::RW_STAGE;  // 3 at NW = 4, 2 at NW = 8
   static constexpr int SMEM = SLOTS * Sh::RW_STAGE + static_cast<int>(sizeof(pipe::RingBarriers<SLOTS>));
-  // registers a thread of each side runs with at NW = 8 (384 threads: 168 each at launch); 128 x 72 + 256 x 216 is
-  // the CTA's 64,512. At NW = 4 (256 threads) every thread has what ptxas gives it.
-  static constexpr int kProducerRegs = 72, kConsumerRegs = 216;
   static_assert(SLOTS >= 2 && SMEM <= 232448, "reverse walk shared memory");
 };
+// registers a thread of each side runs with at NW = 8 (384 threads: 168 each at launch); 128 x 72 + 256 x 216 is the
+// CTA's 64,512. At NW = 4 (256 threads) every thread has what ptxas gives it.
+constexpr int kRevProducerRegs = 72, kRevConsumerRegs = 216;
 
 // chunk c's stage, by the producer's thread ptid (of RevRing<NW>::NP)
 template <int NW>
@@ -667,7 +667,7 @@ __global__ void __launch_bounds__(RevRing<NW>::NT, 1) rev_walk_kernel(const Args
   // allocated the registers its setmaxnreg gives it
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
   if (wg >= Ring::NC / 128) {  // the producer: the run's stages from its last chunk, in the consumers' order
-    if constexpr (NW == 8) pipe::regs_release<Ring::kProducerRegs>();
+    if constexpr (NW == 8) pipe::regs_release<kRevProducerRegs>();
     pipe::RingPos<SLOTS> pos;
     for (int jj = 0; jj < nc; ++jj) {
       pipe::ring_acquire_cp_async(ring, pos);
@@ -679,7 +679,7 @@ __global__ void __launch_bounds__(RevRing<NW>::NT, 1) rev_walk_kernel(const Args
     cp_async_wait_all();  // (its pieces have landed once the consumers saw them; none may be left at exit)
     return;
   }
-  if constexpr (NW == 8) pipe::regs_claim<Ring::kConsumerRegs>();
+  if constexpr (NW == 8) pipe::regs_claim<kRevConsumerRegs>();
   float ST[16][4];
   {
     const float* src = nullptr;
