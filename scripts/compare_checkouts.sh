@@ -12,6 +12,8 @@
 #             the order $AB_ORDER (base / new)
 #   gap       scripts/profiling/host_gap.py (det, benchmark protocol against GPU-only time: the host's share of a cell)
 #             at H in $GAP_HEADS, ops $GAP_OPS, in the order $AB_ORDER
+#   timeline  scripts/profiling/timeline_step.py (one step with a workspace: its kernel span and each kernel's summed
+#             time) at H in $TL_HEADS (default 4), op $TL_OP (default bwd), in the order $AB_ORDER
 #   cmd       bash -c "$CMD" on this tree
 # Carry .whl and .build; logs come back in $OUT/logs.tgz, a summary last.
 set -o pipefail
@@ -60,6 +62,15 @@ for st in ${STAGES:-bitwise tests sanitize}; do
       $who timeout 150 python3 $ROOT/scripts/profiling/host_gap.py --heads ${GAP_HEADS:-4} --op ${GAP_OPS:-fwd bwd} \
         --checkout . --tag $who > $OUT/gap_$who.log 2>&1
       note "gap $who: $(grep '^GAP' $OUT/gap_$who.log | cut -d' ' -f3- | tr '\n' ';')"
+    done;;
+  timeline)
+    for who in ${AB_ORDER:-base new base new}; do
+      for h in ${TL_HEADS:-4}; do
+        $who timeout 120 python3 scripts/profiling/timeline_step.py --heads $h --op ${TL_OP:-bwd} --workspace \
+          > $OUT/tl_$who$h.log 2>&1
+        note "timeline $who H=$h:$(grep -E '^(fwd|bwd) H=' $OUT/tl_$who$h.log | cut -d, -f2); $(sed -n '/^time per kernel name/,$p' \
+          $OUT/tl_$who$h.log | grep -E 'walk|grads|prep|merge' | tr -s ' ' | tr '\n' ';')"
+      done
     done;;
   cmd)
     new bash -c "$CMD" > $OUT/cmd.log 2>&1; note "cmd rc=$?: $(tail -5 $OUT/cmd.log | tr '\n' ' ')";;
