@@ -1,6 +1,7 @@
 // The warp-specialization pieces of the v2 kernels (docs/kernels.md, Kernels v2: B2's structure): mbarriers with
-// transaction counts, arrivals on cp.async completion, 1-D bulk copies from global into shared memory that complete on an mbarrier, bulk stores from
-// shared memory back, named barriers over part of a CTA, and setmaxnreg. kda_tile_ring.cuh builds the tile ring on them.
+// transaction counts, arrivals on cp.async completion, 1-D bulk copies from global into shared memory that complete
+// on an mbarrier, bulk stores from shared memory back, named barriers over part of a CTA, and setmaxnreg.
+// kda_tile_ring.cuh builds the tile ring on them.
 //
 // sm_90a and later (sm_100a, sm_103a have every instruction used here). tests/emulation/kda_pipeline.cuh is the CPU
 // emulation of this header (a bulk copy lands only when its mbarrier is next used, a bulk store reads its source only

@@ -1,6 +1,7 @@
 // The tile ring of the v2 kernels (docs/kernels.md, B2's structure) on the pieces of kda_pipeline.cuh: SLOTS slots of
 // shared memory that a producer fills (by bulk copies, or by cp.async pieces) in a fixed order of tiles and consumer
-// threads release once read. The same source runs in the CPU emulation (tests/emulation/kda_pipeline.cuh stands for the pieces).
+// threads release once read. The same source runs in the CPU emulation (tests/emulation/kda_pipeline.cuh stands for
+// the pieces).
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,6 @@
 #!/usr/bin/env python3
 """Verify build.json against csrc/: schema, every listed file exists, every csrc source belongs to a
-program (or is a staged header: one no program includes yet, with why), every binding has its kernel file, archs are
-declared. Exit 1 on any mismatch."""
+program, every binding has its kernel file, archs are declared. Exit 1 on any mismatch."""
 
 from __future__ import annotations
 
@@ -62,18 +61,6 @@ def main() -> int:
                 kernel = s[: -len("_binding.cu")] + ".cu"
                 if kernel not in srcs:
                     errs.append(f"{name}: {s} has no kernel file {kernel} in the same program")
-    staged = man.get("staged_headers", {})
-    if not isinstance(staged, dict):
-        errs.append("'staged_headers' must be an object (header -> why no program includes it yet)")
-        staged = {}
-    for f, why in staged.items():
-        if not (ROOT / f).is_file():
-            errs.append(f"staged header {f} does not exist")
-        if not isinstance(why, str) or not why:
-            errs.append(f"staged header {f}: must say why")
-        if f in listed:
-            errs.append(f"staged header {f} is in a program: list it there only")
-    listed |= set(staged)
     for f in sorted((ROOT / "csrc").rglob("*")):
         if f.suffix in (".cu", ".cuh", ".h", ".cc", ".cpp") and f.is_file():
             rel = f.relative_to(ROOT).as_posix()

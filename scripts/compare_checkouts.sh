@@ -68,8 +68,10 @@ for st in ${STAGES:-bitwise tests sanitize}; do
       for h in ${TL_HEADS:-4}; do
         $who timeout 120 python3 scripts/profiling/timeline_step.py --heads $h --op ${TL_OP:-bwd} --workspace \
           > $OUT/tl_$who$h.log 2>&1
-        note "timeline $who H=$h:$(grep -E '^(fwd|bwd) H=' $OUT/tl_$who$h.log | cut -d, -f2); $(sed -n '/^time per kernel name/,$p' \
-          $OUT/tl_$who$h.log | grep -E 'walk|grads|prep|merge' | tr -s ' ' | tr '\n' ';')"
+        span=$(grep -E '^(fwd|bwd) H=' $OUT/tl_$who$h.log | cut -d, -f2)
+        kernels=$(sed -n '/^time per kernel name/,$p' $OUT/tl_$who$h.log | grep -E 'walk|grads|prep|merge' | tr -s ' ' \
+          | tr '\n' ';')
+        note "timeline $who H=$h:$span; $kernels"
       done
     done;;
   cmd)

@@ -61,7 +61,9 @@ inline void emu_settle(EmuPipeBlock& p, EmuMbar& m) {
   m.pending = m.count;
   p.cv.notify_all();
 }
-inline void emu_arrive(const uint64_t* bar, uint32_t bytes) {
+// one arrival, with `bytes` more expected of the phase and `copies` (cp.async pieces a thread hands over) to land with
+// it, counted among those bytes
+inline void emu_arrive(const uint64_t* bar, uint32_t bytes, std::vector<EmuCopy> copies = {}) {
   EmuPipeBlock& p = emu_pipe();
   std::lock_guard<std::mutex> g(p.mu);
   EmuMbar& m = emu_mbar(p, bar);
@@ -70,6 +72,10 @@ inline void emu_arrive(const uint64_t* bar, uint32_t bytes) {
     if (m.pending == 0) std::abort();  // it still misses bytes: an arrival past the phase's count
   }
   m.tx += bytes;
+  for (EmuCopy& c : copies) {
+    m.tx += static_cast<int64_t>(c.bytes.size());
+    m.copies.push_back(std::move(c));
+  }
   --m.pending;
   p.cv.notify_all();  // a waiter for this phase settles it once the last arrival is in
 }
@@ -95,19 +101,7 @@ inline void cp_async_mbar_arrive(uint64_t* bar) {
   take(t_async.open);
   t_async.pending.clear();
   t_async.open.clear();
-  EmuPipeBlock& p = emu_pipe();
-  std::lock_guard<std::mutex> g(p.mu);
-  EmuMbar& m = emu_mbar(p, bar);
-  if (m.pending == 0) {  // the previous phase, whose copies nobody has waited for yet
-    emu_settle(p, m);
-    if (m.pending == 0) std::abort();  // an arrival past the phase's count
-  }
-  for (EmuCopy& c : mine) {  // they land with the phase: counted as its bytes, expected by this arrival
-    m.tx += static_cast<int64_t>(c.bytes.size());
-    m.copies.push_back(std::move(c));
-  }
-  --m.pending;
-  p.cv.notify_all();
+  emu_arrive(bar, 0, std::move(mine));
 }
 inline void mbar_wait(uint64_t* bar, uint32_t parity) {
   EmuPipeBlock& p = emu_pipe();

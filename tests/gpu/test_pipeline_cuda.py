@@ -1,8 +1,8 @@
 """The pipeline pieces of the v2 kernels (csrc/kda_pipeline.cuh, csrc/kda_tile_ring.cuh) on the GPU:
 tests/probes/pipeline_probe.cu built by nvcc for this GPU's arch and run as tests/test_pipeline_emulation.py runs its
-emulated build, streaming tiles through the ring into bulk stores (every value must be right), and under
-compute-sanitizer's racecheck, synccheck and memcheck where the sanitizer is installed. Skips, with its reason, without an
-sm_90a / sm_100a / sm_103a GPU or without nvcc."""
+emulated build, streaming tiles through the ring (filled by bulk copies or by cp.async pieces) into bulk stores (every
+value must be right), and under compute-sanitizer's racecheck, synccheck and memcheck where the sanitizer is
+installed. Skips, with its reason, without an sm_90a / sm_100a / sm_103a GPU or without nvcc."""
 
 from __future__ import annotations
 
