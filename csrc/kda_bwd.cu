@@ -12,10 +12,11 @@
 //   rev_walk_kernel  (run, head):          dS^T in registers, serial from the run's end: writes dh
 //                                          (gradient of the state leaving each chunk) and dV_new (into the
 //                                          record), both fp16 at a power of two per warp, or the backward summary
-//                                          (M^T | F) of a run from a zero dS. Its stages come through a
-//                                          ring filled by a producer warpgroup (RevRing).
-//                                          Both walks: the state products by wgmma on sm_90a (WalkShape::WGMMA),
-//                                          mma.sync elsewhere; bitwise the same results.
+//                                          (M^T | F) of a run from a zero dS.
+//                                          Both walks: their stages come through a ring filled by a producer
+//                                          warpgroup (WalkRing: FwdRing, RevRing); the state products by wgmma
+//                                          on sm_90a (WalkShape::WGMMA), mma.sync elsewhere; bitwise the same
+//                                          results.
 //   grads_kernel     (chunk, head):        the per-chunk backward of kda_kcp/chunk.py (chunk_grads)
 //                                          from the record, h, dh and the walks' V_new / dV_new,
 //                                          every product on tensor cores, bf16 hi + lo operands
@@ -461,13 +462,74 @@ __device__ __forceinline__ void rank64_wgmma(float (&ST)[16][4], uint32_t (&vh)[
   fence_frags(vl);
 }
 
-// (The stage loads re-read the thread index: their per-thread offsets are then recomputed at each step instead of
-// being hoisted out of the chunk loop and held across the step's products.)
+// A walk's CTA: NW warps step the state (consumers), a warpgroup after them fills a ring of SLOTS stages of STAGE
+// bytes by cp.async, up to SLOTS chunks ahead of the step (kda_tile_ring.cuh); a consumer releases a stage once its
+// step's products are done, so no CTA-wide barrier stands between steps.
+template <int NW, int STAGE, int MAX_SLOTS, int PRODUCER_REGS, int MIN_CTAS>
+struct WalkRing {
+  static constexpr int NC = WalkShape<NW>::NT;  // consumer (state) threads
+  static constexpr int NP = 128;                // producer threads: a whole warpgroup, setmaxnreg's unit
+  static constexpr int NT = NC + NP;
+  static constexpr int kStage = STAGE;
+  static constexpr int SLOTS = (232448 - 64) / STAGE < MAX_SLOTS ? (232448 - 64) / STAGE : MAX_SLOTS;
+  static constexpr int SMEM = SLOTS * STAGE + static_cast<int>(sizeof(pipe::RingBarriers<SLOTS>));
+  // Registers: MIN_CTAS CTAs of NT threads per SM start at kLaunchRegs each (the launch bound); when that is below
+  // 255 the producer gives back to PRODUCER_REGS and the state warps take the rest (kShareRegs).
+  static constexpr int kMinCtas = MIN_CTAS;
+  static constexpr int kLaunchRegs = 65536 / (NT * MIN_CTAS) / 8 * 8;
+  static constexpr bool kShareRegs = kLaunchRegs < 255;
+  static constexpr int kProducerRegs = PRODUCER_REGS;
+  static constexpr int kConsumerRegs = (kLaunchRegs * NT - NP * PRODUCER_REGS) / NC / 8 * 8;
+  static_assert(SLOTS >= 2 && SMEM * MIN_CTAS <= 232448, "walk shared memory");
+  static_assert(!kShareRegs || (kConsumerRegs <= 256 && kProducerRegs < kLaunchRegs), "setmaxnreg's range");
+};
+// The reverse walk's ring: 3 stages at NW = 4, 2 at NW = 8, one CTA per SM, registers 72 / 216 at NW = 8. The
+// forward walk's: 2 stages, two CTAs per SM at NW = 4 (86 KB each, as tuning.WALK_SMS counts), registers 40 / 216
+// at NW = 4 and 56 / 224 at NW = 8. The producer's counts are ones it compiles to without a spill on either side.
 template <int NW>
-__device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU) {
+using RevRing = WalkRing<NW, WalkShape<NW>::RW_STAGE, 3, 72, 1>;
+template <int NW>
+using FwdRing = WalkRing<NW, WalkShape<NW>::FW_STAGE, 2, NW == 4 ? 40 : 56, NW == 4 ? 2 : 1>;
+
+// The ring's barriers (after its SLOTS stages), set up by thread 0 before a CTA-wide barrier.
+template <class Ring>
+__device__ __forceinline__ pipe::RingBarriers<Ring::SLOTS>& walk_ring(char* smem) {
+  auto& ring = *reinterpret_cast<pipe::RingBarriers<Ring::SLOTS>*>(smem + Ring::SLOTS * Ring::kStage);
+  if (threadIdx.x == 0) {
+    ring.init(Ring::NC, Ring::NP);
+    pipe::fence_mbarrier_init();
+  }
+  __syncthreads();
+  return ring;
+}
+// A thread's warpgroup, made warp-uniform for the compiler (a shuffle of lane 0's), so that each side's code is
+// allocated the registers its setmaxnreg gives it.
+__device__ __forceinline__ int walk_warpgroup() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+}
+
+// The producer warpgroup of a walk CTA (threads ring::NC ..): chunk after chunk of the run into the ring, in the
+// consumers' order (REVERSE: from the run's last); load(st, c, ptid) stages chunk c by producer thread ptid.
+template <class Ring, bool REVERSE, int NW, class Load>
+__device__ __forceinline__ void walk_produce(pipe::RingBarriers<Ring::SLOTS>& ring, char* smem, int first, int nc,
+                                             const Load& load) {
+  if constexpr (Ring::kShareRegs) pipe::regs_release<Ring::kProducerRegs>();
+  pipe::RingPos<Ring::SLOTS> pos;
+  for (int jj = 0; jj < nc; ++jj) {
+    pipe::ring_acquire_cp_async(ring, pos);
+    load(smem + pos.slot * Ring::kStage, REVERSE ? first + nc - 1 - jj : first + jj,
+         static_cast<int>(threadIdx.x) - Ring::NC);
+    pipe::ring_commit_cp_async(ring, pos);
+    pos.advance();
+  }
+  cp_async_wait_all();  // (its pieces have landed once the consumers saw them; none may be left at exit)
+}
+
+// chunk c's stage of the forward walk, by the producer's thread tid (of FwdRing<NW>::NP)
+template <int NW>
+__device__ __forceinline__ void fwd_stage_load(char* st, const Args& a, int c, int h, int col0, bool withU, int tid) {
   using Sh = WalkShape<NW>;
-  constexpr int NT = Sh::NT;
-  const int tid = thread_index();
+  constexpr int NT = FwdRing<NW>::NP;
   const char* rec = a.prep + (static_cast<int64_t>(c) * a.H + h) * kPrepBytes;
   load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::FW_W), reinterpret_cast<const bf16*>(rec + kRecW), tid);
   load_walk_operand<NT, Sh::WGMMA>(reinterpret_cast<bf16*>(st + Sh::FW_KG), reinterpret_cast<const bf16*>(rec + kRecKg), tid);
@@ -500,39 +562,17 @@ struct WalkCta {
         ssrc(a.runs[4 * r + 3]) {}
 };
 
-// The forward walk's stages: a run's nc chunks from chunk first pass through two cp.async stages of STAGE bytes in
-// order, the next chunk's stage loading while this chunk's products run. load(st, c) stages chunk c.
-template <class Load>
-__device__ __forceinline__ void walk_stage_first(char* smem, int first, int nc, const Load& load) {
-  if (nc > 0) load(smem, first);
-  cp_async_commit();
-}
-// The stage of chunk first + j once complete; chunk j + 1 loads into the other stage. The walk's products then read
-// the stage, and a barrier after them frees it for the next prefetch.
-template <bool WGMMA, int STAGE, class Load>
-__device__ __forceinline__ char* walk_stage_next(char* smem, int j, int first, int nc, const Load& load) {
-  char* st = smem + (j & 1) * STAGE;
-  if (j + 1 < nc) {
-    load(smem + ((j + 1) & 1) * STAGE, first + j + 1);
-    cp_async_commit();
-    cp_async_wait1();
-  } else {
-    cp_async_wait_all();
-  }
-  if constexpr (WGMMA) fence_async_smem();  // the stage's cp.async writes, then wgmma's reads
-  __syncthreads();
-  return st;
-}
-
 // Rows of a.runs: (first chunk, chunks, idx, src). Walk (!SUMMARY): the state enters from a.fold[idx]
 // when src == 1, else from a.state_in[idx] (zero when state_in is null or idx < 0); h is written, and the
 // state leaving row r to a.walk_out[r] when that is set.
 // SUMMARY: virtual columns [M (0..127) | E (128..255)] of the segment's affine map from a zero state,
 // grid.z = 256 / (16 NW), written to m_out[idx] / e_out[idx] (M indexed [key_out][key_in]).
+// Threads: FwdRing<NW> (NW state warps, then the producer warpgroup).
 template <bool SUMMARY, int NW>
-__global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
+__global__ void __launch_bounds__(FwdRing<NW>::NT, FwdRing<NW>::kMinCtas) fwd_walk_kernel(const Args a) {
   using Sh = WalkShape<NW>;
-  constexpr int WCOLS = Sh::COLS, WUL = Sh::UL, FW_STAGE = Sh::FW_STAGE;
+  using Ring = FwdRing<NW>;
+  constexpr int WCOLS = Sh::COLS, WUL = Sh::UL, FW_STAGE = Sh::FW_STAGE, SLOTS = Ring::SLOTS;
   extern __shared__ __align__(128) char smem[];
   // wgmma's swizzle is on address bits: its B tiles must start on 1024-byte boundaries of the window
   if (Sh::WGMMA && (smem_u32(smem) & 1023) != 0) __trap();
@@ -540,6 +580,15 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
   const int lane = w.lane, warp = w.warp, r = w.r, h = w.h, H = w.H, col0 = w.col0, vloc = w.vloc, vcol = w.vcol,
             g4 = w.g4, l4 = w.l4, first = w.first, nc = w.nc, sidx = w.sidx;
   const bool withU = w.carries;  // the E part (or the walk) carries U; the M part does not
+  auto& ring = walk_ring<Ring>(smem);
+  const int wg = walk_warpgroup();
+  if (wg >= Ring::NC / 128) {  // the producer: the run's stages from its first chunk
+    walk_produce<Ring, false, NW>(ring, smem, first, nc, [&](char* st, int c, int ptid) {
+      fwd_stage_load<NW>(st, a, c, h, col0, withU, ptid);
+    });
+    return;
+  }
+  if constexpr (Ring::kShareRegs) pipe::regs_claim<Ring::kConsumerRegs>();
   float ST[16][4];
   {
     const float* src = nullptr;
@@ -549,10 +598,11 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     }
     state_tile_init<!SUMMARY>(ST, src, !withU, vcol, g4, l4);
   }
-  auto load = [&](char* st, int c) { fwd_stage_load<NW>(st, a, c, h, col0, withU); };
-  walk_stage_first(smem, first, nc, load);
+  pipe::RingPos<SLOTS> pos;
   for (int j = 0; j < nc; ++j) {
-    char* st = walk_stage_next<Sh::WGMMA, FW_STAGE>(smem, j, first, nc, load);
+    pipe::ring_wait(ring, pos);
+    if constexpr (Sh::WGMMA) fence_async_smem();  // the stage's cp.async writes, then wgmma's reads
+    char* st = smem + pos.slot * FW_STAGE;
     const bf16* sW = reinterpret_cast<const bf16*>(st + Sh::FW_W);
     const bf16* sKg = reinterpret_cast<const bf16*>(st + Sh::FW_KG);
     const uint16_t* sU = reinterpret_cast<const uint16_t*>(st + Sh::FW_U);
@@ -594,7 +644,8 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) state_tile_rank16(ST, vh[ks], vl[ks], sKg, ks, lane);
     }
-    __syncthreads();  // the next iteration's prefetch overwrites this stage
+    pipe::ring_release(ring, pos);  // the step's products are done with the stage: the producer may refill it
+    pos.advance();
   }
   if constexpr (SUMMARY) {
     float* dst = (withU ? a.e_out : a.m_out) + (static_cast<int64_t>(sidx) * H + h) * D * D;
@@ -603,23 +654,6 @@ __global__ void __launch_bounds__(NW * 32) fwd_walk_kernel(const Args a) {
     state_tile_store(a.walk_out + (static_cast<int64_t>(r) * H + h) * D * D, ST, vcol, g4, l4);
   }
 }
-
-// The reverse walk's CTA: NW warps step the state (consumers), a warpgroup after them fills a ring of SLOTS stages by
-// cp.async, up to SLOTS chunks ahead of the step (kda_tile_ring.cuh); a consumer releases a stage once its step's
-// products are done, so no CTA-wide barrier stands between steps.
-template <int NW>
-struct RevRing {
-  using Sh = WalkShape<NW>;
-  static constexpr int NC = Sh::NT;             // consumer (state) threads
-  static constexpr int NP = 128;                // producer threads: a whole warpgroup, setmaxnreg's unit
-  static constexpr int NT = NC + NP;
-  static constexpr int SLOTS = (232448 - 64) / Sh::RW_STAGE;  // 3 at NW = 4, 2 at NW = 8
-  static constexpr int SMEM = SLOTS * Sh::RW_STAGE + static_cast<int>(sizeof(pipe::RingBarriers<SLOTS>));
-  static_assert(SLOTS >= 2 && SMEM <= 232448, "reverse walk shared memory");
-};
-// registers a thread of each side runs with at NW = 8 (384 threads: 168 each at launch); 128 x 72 + 256 x 216 is the
-// CTA's 64,512. At NW = 4 (256 threads) every thread has what ptxas gives it.
-constexpr int kRevProducerRegs = 72, kRevConsumerRegs = 216;
 
 // chunk c's stage, by the producer's thread ptid (of RevRing<NW>::NP)
 template <int NW>
@@ -645,7 +679,7 @@ __device__ __forceinline__ void rev_stage_load(char* st, const Args& a, int c, i
 // SUMMARY: virtual columns [M^T (0..127) | F (128..255)]; else 128 value columns; grid.z = columns / (16 NW).
 // Threads: RevRing<NW> (NW state warps, then the producer warpgroup).
 template <bool SUMMARY, int NW>
-__global__ void __launch_bounds__(RevRing<NW>::NT, 1) rev_walk_kernel(const Args a) {
+__global__ void __launch_bounds__(RevRing<NW>::NT, RevRing<NW>::kMinCtas) rev_walk_kernel(const Args a) {
   using Sh = WalkShape<NW>;
   using Ring = RevRing<NW>;
   constexpr int WCOLS = Sh::COLS, RW_STAGE = Sh::RW_STAGE, SLOTS = Ring::SLOTS;
@@ -657,29 +691,15 @@ __global__ void __launch_bounds__(RevRing<NW>::NT, 1) rev_walk_kernel(const Args
   const int lane = w.lane, warp = w.warp, r = w.r, h = w.h, H = w.H, col0 = w.col0, vloc = w.vloc, vcol = w.vcol,
             g4 = w.g4, l4 = w.l4, first = w.first, nc = w.nc, sidx = w.sidx;
   const bool withF = w.carries;  // the F part (dO terms) vs the M^T part
-  auto& ring = *reinterpret_cast<pipe::RingBarriers<SLOTS>*>(smem + SLOTS * RW_STAGE);
-  if (threadIdx.x == 0) {
-    ring.init(Ring::NC, Ring::NP);
-    pipe::fence_mbarrier_init();
-  }
-  __syncthreads();
-  // the warpgroup index made warp-uniform for the compiler (a shuffle of lane 0's), so that each side's code is
-  // allocated the registers its setmaxnreg gives it
-  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
-  if (wg >= Ring::NC / 128) {  // the producer: the run's stages from its last chunk, in the consumers' order
-    if constexpr (NW == 8) pipe::regs_release<kRevProducerRegs>();
-    pipe::RingPos<SLOTS> pos;
-    for (int jj = 0; jj < nc; ++jj) {
-      pipe::ring_acquire_cp_async(ring, pos);
-      rev_stage_load<NW>(smem + pos.slot * RW_STAGE, a, first + nc - 1 - jj, h, col0, withF,
-                         static_cast<int>(threadIdx.x) - Ring::NC);
-      pipe::ring_commit_cp_async(ring, pos);
-      pos.advance();
-    }
-    cp_async_wait_all();  // (its pieces have landed once the consumers saw them; none may be left at exit)
+  auto& ring = walk_ring<Ring>(smem);
+  const int wg = walk_warpgroup();
+  if (wg >= Ring::NC / 128) {  // the producer: the run's stages from its last chunk
+    walk_produce<Ring, true, NW>(ring, smem, first, nc, [&](char* st, int c, int ptid) {
+      rev_stage_load<NW>(st, a, c, h, col0, withF, ptid);
+    });
     return;
   }
-  if constexpr (NW == 8) pipe::regs_claim<kRevConsumerRegs>();
+  if constexpr (Ring::kShareRegs) pipe::regs_claim<Ring::kConsumerRegs>();
   float ST[16][4];
   {
     const float* src = nullptr;
@@ -1662,18 +1682,15 @@ cudaError_t launch(K kern, dim3 grid, int threads, int smem, const Args& a, cuda
   return cudaGetLastError();
 }
 
-// A walk or summary kernel of NW state warps over grid (rows, heads, columns / (16 NW)). REV: the reverse walk
-// (RevRing: a producer warpgroup and a ring of stages), else the forward walk (two stages); SUMMARY: the 256 virtual
-// columns [M^T | F] or [M | E], else 128.
+// A walk or summary kernel of NW state warps and a producer warpgroup over grid (rows, heads, columns / (16 NW)).
+// REV: the reverse walk, else the forward walk; SUMMARY: the 256 virtual columns [M^T | F] or [M | E], else 128.
 template <bool REV, bool SUMMARY, int NW>
 cudaError_t launch_walk_nw(const Args& a, cudaStream_t s) {
   using Sh = WalkShape<NW>;
   const int zdim = (SUMMARY ? 2 * D : D) / Sh::COLS;
-  if constexpr (REV) {
-    using Ring = RevRing<NW>;
-    return launch(rev_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Ring::NT, Ring::SMEM, a, s);
-  }
-  else return launch(fwd_walk_kernel<SUMMARY, NW>, dim3(a.nruns, a.H, zdim), Sh::NT, 2 * Sh::FW_STAGE, a, s);
+  const dim3 grid(a.nruns, a.H, zdim);
+  if constexpr (REV) return launch(rev_walk_kernel<SUMMARY, NW>, grid, RevRing<NW>::NT, RevRing<NW>::SMEM, a, s);
+  else return launch(fwd_walk_kernel<SUMMARY, NW>, grid, FwdRing<NW>::NT, FwdRing<NW>::SMEM, a, s);
 }
 // The gradient kernel of NW warps over every chunk of a. Chunk-major: grid (H, kMaxGridY, pieces) over the whole
 // pieces of kMaxGridY chunks, then (H, the rest) over the rest (its chunk rows, records, h and dh from its first
