@@ -15,6 +15,8 @@
 #   timeline  scripts/profiling/timeline_step.py (one step with a workspace: its kernel span and each kernel's summed
 #             time) at H in $TL_HEADS (default 4), op $TL_OP (default bwd), in the order $AB_ORDER
 #   cmd       bash -c "$CMD" on this tree
+# $BASE_ENV / $NEW_ENV: VAR=value words set for one side only (e.g. NEW_ENV="KDA_KCP_TUNING=fwd_warps=8": a knob the
+# other checkout lacks, or an A/B of one knob with BASE_DIR the same tree's archive); the environment reaches both.
 # Carry .whl and .build; logs come back in $OUT/logs.tgz, a summary last.
 set -o pipefail
 T0=$(date +%s)
@@ -29,8 +31,8 @@ arch=$(python3 -c "import torch; m, n = torch.cuda.get_device_capability(); prin
 mkdir -p "$BASE_DIR/kda_kcp/prebuilt/$arch" "kda_kcp/prebuilt/$arch"
 cp "${BASE_BUILD:-.build/pb_main}/$arch/"*.so "$BASE_DIR/kda_kcp/prebuilt/$arch/"
 cp "${NEW_BUILD:-.build/pb_new}/$arch/"*.so "kda_kcp/prebuilt/$arch/"
-base() { (cd "$BASE_DIR" && PYTHONPATH=$PWD:/tmp/site "$@"); }
-new() { PYTHONPATH=$ROOT:/tmp/site "$@"; }
+base() { (cd "$BASE_DIR" && env PYTHONPATH=$PWD:/tmp/site ${BASE_ENV:-} "$@"); }
+new() { env PYTHONPATH=$ROOT:/tmp/site ${NEW_ENV:-} "$@"; }
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
 for st in ${STAGES:-bitwise tests sanitize}; do
   case $st in
