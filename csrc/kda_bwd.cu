@@ -510,7 +510,7 @@ __device__ __forceinline__ int walk_warpgroup() {
 
 // The producer warpgroup of a walk CTA (threads ring::NC ..): chunk after chunk of the run into the ring, in the
 // consumers' order (REVERSE: from the run's last); load(st, c, ptid) stages chunk c by producer thread ptid.
-template <class Ring, bool REVERSE, int NW, class Load>
+template <class Ring, bool REVERSE, class Load>
 __device__ __forceinline__ void walk_produce(pipe::RingBarriers<Ring::SLOTS>& ring, char* smem, int first, int nc,
                                              const Load& load) {
   if constexpr (Ring::kShareRegs) pipe::regs_release<Ring::kProducerRegs>();
@@ -583,7 +583,7 @@ __global__ void __launch_bounds__(FwdRing<NW>::NT, FwdRing<NW>::kMinCtas) fwd_wa
   auto& ring = walk_ring<Ring>(smem);
   const int wg = walk_warpgroup();
   if (wg >= Ring::NC / 128) {  // the producer: the run's stages from its first chunk
-    walk_produce<Ring, false, NW>(ring, smem, first, nc, [&](char* st, int c, int ptid) {
+    walk_produce<Ring, false>(ring, smem, first, nc, [&](char* st, int c, int ptid) {
       fwd_stage_load<NW>(st, a, c, h, col0, withU, ptid);
     });
     return;
@@ -694,7 +694,7 @@ __global__ void __launch_bounds__(RevRing<NW>::NT, RevRing<NW>::kMinCtas) rev_wa
   auto& ring = walk_ring<Ring>(smem);
   const int wg = walk_warpgroup();
   if (wg >= Ring::NC / 128) {  // the producer: the run's stages from its last chunk
-    walk_produce<Ring, true, NW>(ring, smem, first, nc, [&](char* st, int c, int ptid) {
+    walk_produce<Ring, true>(ring, smem, first, nc, [&](char* st, int c, int ptid) {
       rev_stage_load<NW>(st, a, c, h, col0, withF, ptid);
     });
     return;
