@@ -4,8 +4,8 @@
 Input: the CSV that `ncu -i REPORT --page source --csv --print-source sass` writes (the `ncu_src` stage of
 scripts/gpu_session.sh leaves it in $OUT/ncu_sass.csv). Our kernels separate their phases with
 `__syncthreads()`, so the SASS between two BAR.SYNC instructions is one phase; for each phase this prints
-its share of the kernel's warp-stall samples, the main stall reasons inside it, and the instructions it
-executes per CTA (HMMA, LDSM, LDS, STS, MUFU, LDG / LDGSTS, STG, LDL / STL spills).
+its share of the kernel's warp-stall samples, the main stall reasons inside it, and the warp instructions it
+executes per CTA, all of them and by kind (HMMA, LDSM, LDS, STS, MUFU, LDG / LDGSTS, STG, LDL / STL spills).
 
     python3 scripts/profiling/stall_regions.py ncu_sass.csv --kernel grads_kernel [--ctas 65376] [--min-share 0.5]
 
@@ -68,8 +68,10 @@ def main() -> int:
     phases, cur = [], None
     for line, r in enumerate(body):
         if cur is None:
-            cur = {"first": line, "samples": 0.0, **{k: 0.0 for k in reason_cols}, **{k: 0.0 for k, _ in OPS}}
+            cur = {"first": line, "samples": 0.0, "all": 0.0, **{k: 0.0 for k in reason_cols},
+                   **{k: 0.0 for k, _ in OPS}}
         cur["samples"] += num(r[samples])
+        cur["all"] += num(r[executed])
         for k, c in reason_cols.items():
             cur[k] += num(r[c])
         op = opcode(r[1])
@@ -84,9 +86,11 @@ def main() -> int:
         cur["last"] = len(body) - 1
         phases.append(cur)
 
-    print(f"{name}: {len(body)} SASS lines, {total:.0f} stall samples, {len(phases)} phases (between barriers)")
-    print("| SASS lines | share | main stalls (share of the phase) | instructions per CTA |")
-    print("|---|---|---|---|")
+    executed_all = sum(ph["all"] for ph in phases)
+    print(f"{name}: {len(body)} SASS lines, {total:.0f} stall samples, {len(phases)} phases (between barriers), "
+          f"{executed_all / a.ctas:.0f} warp instructions per CTA")
+    print("| SASS lines | share | main stalls (share of the phase) | instructions per CTA | of which |")
+    print("|---|---|---|---|---|")
     for ph in phases:
         share = 100.0 * ph["samples"] / total
         if share < a.min_share:
@@ -94,7 +98,7 @@ def main() -> int:
         top = sorted(((ph[k] / max(ph["samples"], 1.0), k) for k in reason_cols), reverse=True)[:3]
         stalls = ", ".join(f"{k} {100 * v:.0f} %" for v, k in top if v > 0.04)
         ops = " ".join(f"{k} {ph[k] / a.ctas:.0f}" for k, _ in OPS if ph[k])
-        print(f"| {ph['first']}-{ph['last']} | {share:.1f} % | {stalls} | {ops} |")
+        print(f"| {ph['first']}-{ph['last']} | {share:.1f} % | {stalls} | {ph['all'] / a.ctas:.0f} | {ops} |")
     return 0
 
 
