@@ -107,17 +107,37 @@ __device__ __forceinline__ void epi(float (&acc)[MI][NI][4], int m0, int n0, int
         f(m0 + 16 * mi + g4 + 8 * e2, n0 + 8 * ni + 2 * l4, acc[mi][ni][2 * e2], acc[mi][ni][2 * e2 + 1]);
 }
 
+// The two bf16 of a word (low half first) as floats by a shift and a mask (bf16 -> FP32 is exact, so the values are
+// bf2_to_f2's): __bfloat1622float2 costs a PRMT and two shifts per word (the gradient kernel widens thousands).
+__device__ __forceinline__ float2 bf2_bits(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+// split2 with the hi word widened by bf2_bits: the same hi and lo words
+__device__ __forceinline__ void split2_bits(float x, float y, uint32_t& hi, uint32_t& lo) {
+  hi = pack_bf16(x, y);
+  const float2 h = bf2_bits(hi);
+  lo = pack_bf16(x - h.x, y - h.y);
+}
+
 // store a pair as bf16 hi (+ lo) into swizzled tiles
 template <int RL>
 __device__ __forceinline__ void st2(bf16* th, bf16* tl, int r, int c, float x0, float x1) {
   uint32_t hi, lo;
-  split2(x0, x1, hi, lo);
+  split2_bits(x0, x1, hi, lo);
   *reinterpret_cast<uint32_t*>(th + swz<RL>(r, c)) = hi;
   if (tl != nullptr) *reinterpret_cast<uint32_t*>(tl + swz<RL>(r, c)) = lo;
 }
 template <int RL>
 __device__ __forceinline__ float2 ld2(const bf16* t, int r, int c) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(t + swz<RL>(r, c)));
+  return bf2_bits(*reinterpret_cast<const uint32_t*>(t + swz<RL>(r, c)));
+}
+// the same at an element offset o that the caller keeps (both tiles of st2_at share it)
+__device__ __forceinline__ float2 ld2_at(const bf16* t, int o) { return bf2_bits(*reinterpret_cast<const uint32_t*>(t + o)); }
+__device__ __forceinline__ void st2_at(bf16* th, bf16* tl, int o, float x0, float x1) {
+  uint32_t hi, lo;
+  split2_bits(x0, x1, hi, lo);
+  *reinterpret_cast<uint32_t*>(th + o) = hi;
+  *reinterpret_cast<uint32_t*>(tl + o) = lo;
 }
 
 // The C rows of a bf16 matrix with RL columns -> swizzled tile (swz<RL>: repeats every 8 rows).
@@ -160,6 +180,27 @@ template <int NT>
 __device__ __forceinline__ void load_f32_swz(float* dst, const float* src, int64_t gstride, int nvalid, int tid) {
   static_assert((NT / (D / 4)) % 4 == 0, "a pass keeps row & 3");
   load_rows<NT, C, D / 4>(dst, D, src, gstride, nvalid, tid, [](int r, int c) { return f32_at<true>(r, c); });
+}
+
+// f(r, d, at) over a thread's column pair d = 2 (tid % 64) and rows tid / 64 + (NT / 64) s + 8 g, g = 0 .. 7 (a loop
+// that stages a [64][128] tile by column pair), at = the pair's element offsets in an f32_at<true> tile, an sw128 one
+// and an swh one. The swizzles repeat every 8 rows, so a row's offsets are its first group's plus 8 g
+// rows: an add per layout and group, where swz on the row index cost a chain of integer ops per tile.
+struct PairAt {
+  int f32, b128, bswh;
+};
+template <int NT, class F>
+__device__ __forceinline__ void each_pair_row(int tid, F&& f) {
+  constexpr int RS = NT / 64;  // rows per pass
+  static_assert(8 % RS == 0, "a pass keeps row & 7 within 8 rows");
+  const int j0 = tid >> 6, d = 2 * (tid & 63);
+#pragma unroll 1
+  for (int g = 0; g < C / 8; ++g)
+#pragma unroll
+    for (int s = 0; s < 8 / RS; ++s) {
+      const int j = j0 + RS * s;
+      f(8 * g + j, d, PairAt{f32_at<true>(j, d) + 8 * g * D, sw128(j, d) + 8 * g * 128, swh(j, d) + 8 * g * 64});
+    }
 }
 
 // rs[e2]: this lane's partial sums of rows g4 + 8 e2 of an m16 tile; the four lanes of a row add theirs
@@ -943,7 +984,7 @@ __device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int
 // an fp16 pair times inv (a power of two) as bf16 hi + lo words: exact (an fp16 value has 11 significant bits)
 __device__ __forceinline__ void f16x2_split(uint32_t w, float inv, uint32_t& hi, uint32_t& lo, float2& x) {
   x = make_float2(f16_to_f32(static_cast<uint16_t>(w & 0xffffu)) * inv, f16_to_f32(static_cast<uint16_t>(w >> 16)) * inv);
-  split2(x.x, x.y, hi, lo);
+  split2_bits(x.x, x.y, hi, lo);
 }
 // winv: the powers 2^e of this thread's pieces, V_new's [0] and dV_new's [1] (stage_states loads them)
 template <int NT>
@@ -1005,7 +1046,7 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
     for (int i = 0; i < 4; ++i) {
       float2 t;
       f16x2_split(d[i], dinv[k], th[i], tl[i], t);
-      const float2 s0 = bf2_to_f2(a[i]);
+      const float2 s0 = bf2_bits(a[i]);
       dg[2 * i] = fmaf(s0.x, t.x, dg[2 * i]);
       dg[2 * i + 1] = fmaf(s0.y, t.y, dg[2 * i + 1]);
     }
@@ -1482,11 +1523,20 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
         Rg[0][ni][e] -= __bfloat162float(B16(B_K)[sw128(r, cc)]) * z;
       }
   };
-  auto store_dq = [&] {
-    epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-      if (r < nrows) *reinterpret_cast<uint32_t*>(dq + base + r * gs + cc) = pack_bf16(x0, x1);
-    });
+  // dq or dk from this warp's accumulators (epi's pairs, in its order): each of the thread's two rows m0 + g4 + 8 e2 a
+  // row pointer and one test, its pairs at constant offsets from it (where r * gs + cc per pair was a 64-bit address)
+  auto store_rows = [&](const float (&acc)[1][NT128][4], bf16* out) {
+    const int r = m0 + g4;
+    uint32_t* row[2] = {reinterpret_cast<uint32_t*>(out + base + r * gs + n128 + 2 * l4),
+                        reinterpret_cast<uint32_t*>(out + base + (r + 8) * gs + n128 + 2 * l4)};
+    const bool in[2] = {r < nrows, r + 8 < nrows};
+#pragma unroll
+    for (int ni = 0; ni < NT128; ++ni)
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2)
+        if (in[e2]) row[e2][4 * ni] = pack_bf16(acc[0][ni][2 * e2], acc[0][ni][2 * e2 + 1]);
   };
+  auto store_dq = [&] { store_rows(dQg, dq); };
   if (one_anchor) {
     // ---- B4' (one anchor): rows(X) = X (K o e^(G_0 - G)), X = s dAqk (dq) or dP (dk), and columns
     // dP^T (K o e^(G - G_63)) + s dAqk^T (Q o e^(G - G_63)) (dk), each a 64 x 128 product over the chunk's 64 keys ----
@@ -1495,14 +1545,14 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     {
       const int d = 2 * (tid & 63);  // NT is a multiple of 64: a thread keeps its column pair
       const float2 ga = ld2_f32<true>(sG, 0, d), gz = ld2_f32<true>(sG, 63, d);
-      for (int j = tid >> 6; j < C; j += NT / 64) {
-        const float2 gj = ld2_f32<true>(sG, j, d), kk = ld2<128>(B16(B_K), j, d), qq = ld2<128>(B16(B_Q), j, d);
+      each_pair_row<NT>(tid, [&](int, int, PairAt at) {
+        const float2 gj = *reinterpret_cast<const float2*>(sG + at.f32), kk = ld2_at(B16(B_K), at.b128), qq = ld2_at(B16(B_Q), at.b128);
         const float u0 = fexp_ftz(ga.x - gj.x), u1 = fexp_ftz(ga.y - gj.y);
         const float w0 = fexp_ftz(gj.x - gz.x), w1 = fexp_ftz(gj.y - gz.y);
-        st2<kRowsSwh>(B16(O_CCH), B16(O_CCL), j, d, kk.x * u0, kk.y * u1);
-        st2<kRowsSwh>(B16(O_KRH), B16(O_KRL), j, d, kk.x * w0, kk.y * w1);
-        st2<kRowsSwh>(B16(O_QRH), B16(O_QRL), j, d, qq.x * w0, qq.y * w1);
-      }
+        st2_at(B16(O_CCH), B16(O_CCL), at.bswh, kk.x * u0, kk.y * u1);
+        st2_at(B16(O_KRH), B16(O_KRL), at.bswh, kk.x * w0, kk.y * w1);
+        st2_at(B16(O_QRH), B16(O_QRL), at.bswh, qq.x * w0, qq.y * w1);
+      });
     }
     if constexpr (kGradsWgmma) fence_async_smem();
     __syncthreads();
@@ -1624,9 +1674,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     add_columns(acc, 16 * I, false);
     __syncthreads();  // B5's dG tile lies over K o e^(G - G_a)
   }
-  epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-    if (r < nrows) *reinterpret_cast<uint32_t*>(dk + base + r * gs + cc) = pack_bf16(x0, x1);
-  });
+  store_rows(dKg, dk);
   // ---- B5: dG -> dg (reverse cumsum), dbeta ----
   float* sDG = reinterpret_cast<float*>(smem + B_DG);
   epi(Rg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
@@ -1645,12 +1693,15 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       }
     }
     R.template scan<true>(reinterpret_cast<float*>(smem + S_CF));  // (S_CF: B4's, dead)
+    // a running row pointer and the block's row count: a predicated store per row, not a 64-bit address and a
+    // branch
     float* dg = a.dg + base + 16 * R.rq * gs + R.d0;
+    const int rows = nrows - 16 * R.rq;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (16 * R.rq + i < nrows) {
-        if constexpr (RowBlocks<NT>::CPT == 2) *reinterpret_cast<float2*>(dg + i * gs) = make_float2(R.v[0][i], R.v[1][i]);
-        else dg[i * gs] = R.v[0][i];
+    for (int i = 0; i < 16; ++i, dg += gs) {
+      if (i < rows) {
+        if constexpr (RowBlocks<NT>::CPT == 2) *reinterpret_cast<float2*>(dg) = make_float2(R.v[0][i], R.v[1][i]);
+        else *dg = R.v[0][i];
       }
     }
   }
