@@ -107,6 +107,49 @@ __device__ __forceinline__ void epi(float (&acc)[MI][NI][4], int m0, int n0, int
         f(m0 + 16 * mi + g4 + 8 * e2, n0 + 8 * ni + 2 * l4, acc[mi][ni][2 * e2], acc[mi][ni][2 * e2 + 1]);
 }
 
+// Byte offsets of epi's pairs (rows m0 + g4 + 8 e2, columns n0 + 8 ni + 2 l4) in a tile whose swizzle XORs a column's
+// 8-element group with a key of the row that repeats every 8 rows: ES-byte elements, RL a row, key r & KM (sw128 and
+// sw64: 7; f32_at<true> and the fp32 [64][64] tile: 3); SWH: sw64 halves of 4096 elements (swh). The key is the
+// thread's (g4 & KM), so pair (ni, e2) lies at the thread's first pair's offset with 8 ni XORed into the column (a half
+// further per 8 groups, SWH) and 8 rows on per e2: a LOP3 per column group, where a pair's swizzle was a chain of
+// integer ops. Needs n0 + 8 ni = n0 | 8 ni over the ni taken (n0 a multiple of 8 NI, of 64 where SWH and NI > 8).
+template <int ES, int RL, int KM, bool SWH = false>
+struct PairOff {
+  int b;
+  __device__ __forceinline__ PairOff(int m0, int n0, int lane) {
+    const int r = m0 + (lane >> 2), c = n0 + 2 * (lane & 3);
+    b = ES * (SWH ? ((c >> 6) << 12) + r * 64 + ((c & 63) ^ ((r & 7) << 3)) : r * RL + (c ^ ((r & KM) << 3)));
+  }
+  __device__ __forceinline__ int operator()(int ni, int e2) const {
+    if constexpr (SWH) return (b ^ (8 * ES * (ni & 7))) + ES * (((ni >> 3) << 12) + 8 * 64 * e2);
+    else return (b ^ (8 * ES * ni)) + ES * 8 * RL * e2;
+  }
+};
+using OffF32 = PairOff<4, 128, 3>;       // fp32 [64][128], f32_at<true>
+using OffF64 = PairOff<4, 64, 3>;        // fp32 [64][64], the same swizzle
+using Off64 = PairOff<2, 64, 7>;         // bf16 sw64
+using OffSwh = PairOff<2, 64, 7, true>;  // bf16 swh
+// epi with each pair's offset in layout L: f(o, r, cc, x0, x1)
+template <class L, int NI, class F>
+__device__ __forceinline__ void epi_at(float (&acc)[1][NI][4], int m0, int n0, int lane, F&& f) {
+  const L at(m0, n0, lane);
+  const int g4 = lane >> 2, l4 = lane & 3;
+#pragma unroll
+  for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+    for (int e2 = 0; e2 < 2; ++e2)
+      f(at(ni, e2), m0 + g4 + 8 * e2, n0 + 8 * ni + 2 * l4, acc[0][ni][2 * e2], acc[0][ni][2 * e2 + 1]);
+}
+// the T at byte offset o of a tile
+template <class T, class P>
+__device__ __forceinline__ T& at_byte(P* t, int o) {
+  return *reinterpret_cast<T*>(reinterpret_cast<char*>(t) + o);
+}
+template <class T, class P>
+__device__ __forceinline__ const T& at_byte(const P* t, int o) {
+  return *reinterpret_cast<const T*>(reinterpret_cast<const char*>(t) + o);
+}
+
 // The two bf16 of a word (low half first) as floats by a shift and a mask (bf16 -> FP32 is exact, so the values are
 // bf2_to_f2's): __bfloat1622float2 costs a PRMT and two shifts per word (the gradient kernel widens thousands).
 __device__ __forceinline__ float2 bf2_bits(uint32_t w) {
@@ -138,6 +181,14 @@ __device__ __forceinline__ void st2_at(bf16* th, bf16* tl, int o, float x0, floa
   split2_bits(x0, x1, hi, lo);
   *reinterpret_cast<uint32_t*>(th + o) = hi;
   *reinterpret_cast<uint32_t*>(tl + o) = lo;
+}
+// ld2 / st2 at a byte offset o (tl may be null)
+__device__ __forceinline__ float2 ld2_b(const bf16* t, int o) { return bf2_bits(at_byte<uint32_t>(t, o)); }
+__device__ __forceinline__ void st2_b(bf16* th, bf16* tl, int o, float x0, float x1) {
+  uint32_t hi, lo;
+  split2_bits(x0, x1, hi, lo);
+  at_byte<uint32_t>(th, o) = hi;
+  if (tl != nullptr) at_byte<uint32_t>(tl, o) = lo;
 }
 
 // The C rows of a bf16 matrix with RL columns -> swizzled tile (swz<RL>: repeats every 8 rows).
@@ -1144,20 +1195,29 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 
   float dQg[1][NT128][4], dW[1][NT128][4], dKg[1][NT128][4], dAqk[1][NT64][4], dAU[1][NT64][4];
   float* dgp = reinterpret_cast<float*>(smem + A_DGP);  // [NT][8] dgamma partials, keys 8 ((tid / 16) % 16) + i
-  // Epilogue pieces on an accumulator pair (row r, columns cc, cc + 1), whichever warps hold it:
-  // dv = beta dVb of value half voff and the dbeta partial sum(dVb o v) into rs
-  auto dv_pair = [&](int voff, int r, int cc, float x0, float x1, float& rs) {
-    const float2 vv = ld2<kRowsSwh>(B16(A_V), r, voff + cc);
-    rs += x0 * vv.x + x1 * vv.y;
-    if (r < nrows) {
-      const float b = sBeta[r];
-      *reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.dv) + base + r * gs + voff + cc) = pack_bf16(b * x0, b * x1);
-    }
+  // Epilogue pieces on accumulator pairs (epi's), whichever warps hold them:
+  // dv = beta dVb of value half vh from the pairs ni0 .. ni1 - 1 of acc (columns n0 ..), and the dbeta partials
+  // sum(dVb o v) of the thread's two rows into rs (v at OffSwh offsets)
+  auto dv_pairs = [&](const auto& acc, int vh, int n0, int ni0, int ni1, float (&rs)[2]) {
+    const OffSwh at(m0, n0, lane);
+#pragma unroll
+    for (int ni = ni0; ni < ni1; ++ni)
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+        const int r = m0 + (lane >> 2) + 8 * e2, cc = n0 + 8 * ni + 2 * (lane & 3);
+        const float x0 = acc[0][ni][2 * e2], x1 = acc[0][ni][2 * e2 + 1];
+        const float2 vv = ld2_b(B16(A_V) + 4096 * vh, at(ni, e2));
+        rs[e2] += x0 * vv.x + x1 * vv.y;
+        if (r < nrows) {
+          const float b = sBeta[r];
+          *reinterpret_cast<uint32_t*>(static_cast<bf16*>(a.dv) + base + r * gs + 64 * vh + cc) = pack_bf16(b * x0, b * x1);
+        }
+      }
   };
-  // -dW and s dAqk (strictly lower) staged for phase B
-  auto stage_dw = [&](int r, int cc, float& x0, float& x1) { st2<kRowsSwh>(B16(B_DWH), B16(B_DWL), r, cc, -x0, -x1); };
-  auto stage_sdaqk = [&](int r, int cc, float& x0, float& x1) {
-    st2<64>(B16(B_SDAH), B16(B_SDAL), r, cc, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
+  // -dW (OffSwh) and s dAqk (strictly lower, Off64) staged for phase B
+  auto stage_dw = [&](int o, int, int, float& x0, float& x1) { st2_b(B16(B_DWH), B16(B_DWL), o, -x0, -x1); };
+  auto stage_sdaqk = [&](int o, int r, int cc, float& x0, float& x1) {
+    st2_b(B16(B_SDAH), B16(B_SDAL), o, cc <= r ? a.scale * x0 : 0.f, cc + 1 <= r ? a.scale * x1 : 0.f);
   };
   // 16 warps on wgmma: phase A by product (kByProduct, below); dQg, dKg and dAU reach the tiling above after it
   constexpr bool kByProduct = kGradsWgmma && NW == 16;
@@ -1172,7 +1232,6 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     zero(P);
     const int wg = cg;  // the warpgroup
     for (int vh = 0; vh < 2; ++vh) {
-      const int voff = 64 * vh;
       float winv[2][kWalkPieces<NT>];
       stage_states<NT>(smem, Sg, dSg, rec, vh, tid, dgp + 8 * tid, winv);
       if (vh == 0) cp_async_wait1();
@@ -1200,15 +1259,10 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       wgmma_wait0();
       fence_acc(P), fence_acc(Q);
       if (wg == 0) {  // dv; the dbeta partials per 16 columns, summed as the tiling below sums them
-        const int g4 = lane >> 2, l4 = lane & 3;
 #pragma unroll
         for (int cgp = 0; cgp < CG; ++cgp) {
           float rs[2] = {0.f, 0.f};
-#pragma unroll
-          for (int ni = (8 / CG) * cgp; ni < (8 / CG) * (cgp + 1); ++ni)
-#pragma unroll
-            for (int e2 = 0; e2 < 2; ++e2)
-              dv_pair(voff, m0 + g4 + 8 * e2, 8 * ni + 2 * l4, Q[0][ni][2 * e2], Q[0][ni][2 * e2 + 1], rs[e2]);
+          dv_pairs(Q, vh, 0, (8 / CG) * cgp, (8 / CG) * (cgp + 1), rs);
           store_row_sums(sDb, (vh * CG + cgp) * C + m0, rs, lane);
         }
       }
@@ -1259,7 +1313,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       }
       {
         float rs[2] = {0.f, 0.f};
-        epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { dv_pair(voff, r, cc, x0, x1, rs[(r - m0) >> 3]); });
+        dv_pairs(acc, vh, n64, 0, NT64, rs);
         store_row_sums(sDb, (vh * CG + cg) * C + m0, rs, lane);
       }
       __syncthreads();
@@ -1279,35 +1333,29 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
     float* rq = reinterpret_cast<float*>(smem + R_Q);
     float* rk = reinterpret_cast<float*>(smem + R_K);
     float* ru = reinterpret_cast<float*>(smem + R_U);
-    auto at64 = [](int r, int c) { return r * 64 + (c ^ ((r & 3) << 3)); };  // fp32 [64][64], f32_at<true>'s swizzle
+    // (rq, rk: f32_at<true>; ru: fp32 [64][64] in its swizzle)
     const int wg = cg;
     if (wg == 0) {
-      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
-        *reinterpret_cast<float2*>(rq + f32_at<true>(r, cc)) = make_float2(x0, x1);
-      });
+      epi_at<OffF32>(P, m0, 0, lane, [&](int o, int, int, float& x0, float& x1) { at_byte<float2>(rq, o) = make_float2(x0, x1); });
     } else if (wg == 1) {
-      epi(P, m0, 0, lane, stage_dw);
+      epi_at<OffSwh>(P, m0, 0, lane, stage_dw);
     } else if (wg == 2) {
-      epi(P, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
-        *reinterpret_cast<float2*>(rk + f32_at<true>(r, cc)) = make_float2(x0, x1);
-      });
+      epi_at<OffF32>(P, m0, 0, lane, [&](int o, int, int, float& x0, float& x1) { at_byte<float2>(rk, o) = make_float2(x0, x1); });
     } else {
-      epi(P0, m0, 0, lane, stage_sdaqk);
-      epi(P1, m0, 0, lane, [&](int r, int cc, float& x0, float& x1) {
-        *reinterpret_cast<float2*>(ru + at64(r, cc)) = make_float2(x0, x1);
-      });
+      epi_at<Off64>(P0, m0, 0, lane, stage_sdaqk);
+      epi_at<OffF64>(P1, m0, 0, lane, [&](int o, int, int, float& x0, float& x1) { at_byte<float2>(ru, o) = make_float2(x0, x1); });
     }
     __syncthreads();
-    epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-      const float2 t = ld2_f32<true>(rq, r, cc);
+    epi_at<OffF32>(dQg, m0, n128, lane, [&](int o, int, int, float& x0, float& x1) {
+      const float2 t = at_byte<float2>(rq, o);
       x0 = t.x, x1 = t.y;
     });
-    epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-      const float2 t = ld2_f32<true>(rk, r, cc);
+    epi_at<OffF32>(dKg, m0, n128, lane, [&](int o, int, int, float& x0, float& x1) {
+      const float2 t = at_byte<float2>(rk, o);
       x0 = t.x, x1 = t.y;
     });
-    epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-      const float2 t = *reinterpret_cast<const float2*>(ru + at64(r, cc));
+    epi_at<OffF64>(dAU, m0, n64, lane, [&](int o, int, int, float& x0, float& x1) {
+      const float2 t = at_byte<float2>(ru, o);
       x0 = t.x, x1 = t.y;
     });
     __syncthreads();  // R_U lies under G's tile
@@ -1331,8 +1379,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
 
   float Rg[1][NT128][4];  // dG accumulator; dQg becomes the dq accumulator, dKg the dk accumulator
   // (the epilogues below read their operands in pairs: an accumulator pair is two adjacent columns)
-  epi(dQg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-    const float2 gg = ld2_f32<true>(sG, r, cc);
+  epi_at<OffF32>(dQg, m0, n128, lane, [&](int o, int, int, float& x0, float& x1) {
+    const float2 gg = at_byte<float2>(sG, o);
     x0 *= a.scale * fexp(gg.x);
     x1 *= a.scale * fexp(gg.y);
   });
@@ -1351,8 +1399,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
   }
   {
     float cs[NT128][2];
-    epi(dKg, m0, n128, lane, [&](int r, int cc, float& x0, float& x1) {
-      const float2 lg = ld2_f32<true>(sG, 63, cc), gg = ld2_f32<true>(sG, r, cc);
+    epi_at<OffF32>(dKg, m0, n128, lane, [&](int o, int, int cc, float& x0, float& x1) {
+      const float2 lg = ld2_f32<true>(sG, 63, cc), gg = at_byte<float2>(sG, o);
       x0 *= fexp(lg.x - gg.x);
       x1 *= fexp(lg.y - gg.y);
     });
@@ -1384,8 +1432,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       }
   }
   if constexpr (!kByProduct) {  // (by product, their owners staged them after phase A)
-    epi(dW, m0, n128, lane, stage_dw);
-    epi(dAqk, m0, n64, lane, stage_sdaqk);
+    epi_at<OffSwh>(dW, m0, n128, lane, stage_dw);
+    epi_at<Off64>(dAqk, m0, n64, lane, stage_sdaqk);
   }
   for (int p = tid; p < C * D / 2; p += NT) {
     const int r = p >> 6, d = (p & 63) * 2;
@@ -1414,8 +1462,8 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       wgemm<1, NT128, 64, true, false, S, true, true>(acc, B16(A_AH), nullptr, m0, m0, B16(B_DWH), B16(B_DWL), n128, m0,
                                                  C - m0, lane);
     }
-    epi(dAU, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
-      st2<64>(B16(B_DAH), B16(B_DAL), r, cc, x0 * sBeta[cc], x1 * sBeta[cc + 1]);
+    epi_at<Off64>(dAU, m0, n64, lane, [&](int o, int, int cc, float& x0, float& x1) {
+      st2_b(B16(B_DAH), B16(B_DAL), o, x0 * sBeta[cc], x1 * sBeta[cc + 1]);
     });
     float rs[2] = {0.f, 0.f};
     const int g4 = lane >> 2, l4 = lane & 3;
@@ -1459,7 +1507,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       wgemm<1, NT64, 64, true, false, 64, true, true>(acc, B16(A_AH), nullptr, m0, m0, B16(B_DAH), B16(B_DAL), n64, m0,
                                                   C - m0, lane);
     }
-    epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) { st2<64>(B16(B_T1H), B16(B_T1L), r, cc, x0, x1); });
+    epi_at<Off64>(acc, m0, n64, lane, [&](int o, int, int, float& x0, float& x1) { st2_b(B16(B_T1H), B16(B_T1L), o, x0, x1); });
     cp_async_wait_all();
     if constexpr (kGradsWgmma) fence_async_smem();
     __syncthreads();
@@ -1476,12 +1524,12 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       wgemm<1, NT64, 64, false, true, 64, false, false>(acc, B16(B_T1H), B16(B_T1L), m0, 0, B16(A_AH), nullptr, n64, 0, C, lane);
     }
     float rs[2] = {0.f, 0.f};
-    epi(acc, m0, n64, lane, [&](int r, int cc, float& x0, float& x1) {
+    epi_at<Off64>(acc, m0, n64, lane, [&](int o, int r, int cc, float& x0, float& x1) {
       const float l0 = cc < r ? -x0 : 0.f, l1 = cc + 1 < r ? -x1 : 0.f;
       const float2 pp = *reinterpret_cast<const float2*>(sP + r * kPLd + cc);
       rs[(r - m0) >> 3] += l0 * pp.x + l1 * pp.y;
       const float b = sBeta[r];
-      st2<64>(B16(B_DPH), B16(B_DPL), r, cc, b * l0, b * l1);
+      st2_b(B16(B_DPH), B16(B_DPL), o, b * l0, b * l1);
     });
     store_row_sums(sDb, (3 * CG + cg) * C + m0, rs, lane);
   }
