@@ -111,8 +111,8 @@ __device__ __forceinline__ void epi(float (&acc)[MI][NI][4], int m0, int n0, int
 // 8-element group with a key of the row that repeats every 8 rows: ES-byte elements, RL a row, key r & KM (sw128 and
 // sw64: 7; f32_at<true> and the fp32 [64][64] tile: 3); SWH: sw64 halves of 4096 elements (swh). The key is the
 // thread's (g4 & KM), so pair (ni, e2) lies at the thread's first pair's offset with 8 ni XORed into the column (a half
-// further per 8 groups, SWH) and 8 rows on per e2: a LOP3 per column group, where a pair's swizzle was a chain of
-// integer ops. Needs n0 + 8 ni = n0 | 8 ni over the ni taken (n0 a multiple of 8 NI, of 64 where SWH and NI > 8).
+// further per 8 groups, SWH) and 8 rows on per e2: a LOP3 per column group, not a swizzle computed per pair.
+// Needs n0 + 8 ni = n0 | 8 ni over the ni taken (n0 a multiple of 8 NI, of 64 where SWH and NI > 8).
 template <int ES, int RL, int KM, bool SWH = false>
 struct PairOff {
   int b;
@@ -1572,7 +1572,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       }
   };
   // dq or dk from this warp's accumulators (epi's pairs, in its order): each of the thread's two rows m0 + g4 + 8 e2 a
-  // row pointer and one test, its pairs at constant offsets from it (where r * gs + cc per pair was a 64-bit address)
+  // row pointer and one test, its pairs at constant offsets from it (no 64-bit r * gs + cc per pair)
   auto store_rows = [&](const float (&acc)[1][NT128][4], bf16* out) {
     const int r = m0 + g4;
     uint32_t* row[2] = {reinterpret_cast<uint32_t*>(out + base + r * gs + n128 + 2 * l4),
@@ -1741,8 +1741,7 @@ __global__ void __launch_bounds__(NW * 32, 1) grads_kernel(const Args a) {
       }
     }
     R.template scan<true>(reinterpret_cast<float*>(smem + S_CF));  // (S_CF: B4's, dead)
-    // a running row pointer and the block's row count: a predicated store per row, not a 64-bit address and a
-    // branch
+    // a running row pointer and the block's row count: a predicated store per row, no 64-bit address or branch
     float* dg = a.dg + base + 16 * R.rq * gs + R.d0;
     const int rows = nrows - 16 * R.rq;
 #pragma unroll
