@@ -150,44 +150,32 @@ __device__ __forceinline__ const T& at_byte(const P* t, int o) {
   return *reinterpret_cast<const T*>(reinterpret_cast<const char*>(t) + o);
 }
 
-// The two bf16 of a word (low half first) as floats by a shift and a mask (bf16 -> FP32 is exact, so the values are
-// bf2_to_f2's): __bfloat1622float2 costs a PRMT and two shifts per word (the gradient kernel widens thousands).
-__device__ __forceinline__ float2 bf2_bits(uint32_t w) {
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-}
-// split2 with the hi word widened by bf2_bits: the same hi and lo words
-__device__ __forceinline__ void split2_bits(float x, float y, uint32_t& hi, uint32_t& lo) {
-  hi = pack_bf16(x, y);
-  const float2 h = bf2_bits(hi);
-  lo = pack_bf16(x - h.x, y - h.y);
-}
-
 // store a pair as bf16 hi (+ lo) into swizzled tiles
 template <int RL>
 __device__ __forceinline__ void st2(bf16* th, bf16* tl, int r, int c, float x0, float x1) {
   uint32_t hi, lo;
-  split2_bits(x0, x1, hi, lo);
+  split2(x0, x1, hi, lo);
   *reinterpret_cast<uint32_t*>(th + swz<RL>(r, c)) = hi;
   if (tl != nullptr) *reinterpret_cast<uint32_t*>(tl + swz<RL>(r, c)) = lo;
 }
 template <int RL>
 __device__ __forceinline__ float2 ld2(const bf16* t, int r, int c) {
-  return bf2_bits(*reinterpret_cast<const uint32_t*>(t + swz<RL>(r, c)));
+  return bf2_to_f2(*reinterpret_cast<const uint32_t*>(t + swz<RL>(r, c)));
 }
 // the same at an element offset o that the caller keeps (both tiles of st2_at share it)
-__device__ __forceinline__ float2 ld2_at(const bf16* t, int o) { return bf2_bits(*reinterpret_cast<const uint32_t*>(t + o)); }
+__device__ __forceinline__ float2 ld2_at(const bf16* t, int o) { return bf2_to_f2(*reinterpret_cast<const uint32_t*>(t + o)); }
 __device__ __forceinline__ void st2_at(bf16* th, bf16* tl, int o, float x0, float x1) {
   uint32_t hi, lo;
-  split2_bits(x0, x1, hi, lo);
+  split2(x0, x1, hi, lo);
   *reinterpret_cast<uint32_t*>(th + o) = hi;
   *reinterpret_cast<uint32_t*>(tl + o) = lo;
 }
 // ld2 / st2 at a byte offset o (tl may be null: no caller passes null, but with the test ptxas allocates
 // grads_kernel<16> with 52 / 100 bytes of spill stores / loads, without it 80 / 156)
-__device__ __forceinline__ float2 ld2_b(const bf16* t, int o) { return bf2_bits(at_byte<uint32_t>(t, o)); }
+__device__ __forceinline__ float2 ld2_b(const bf16* t, int o) { return bf2_to_f2(at_byte<uint32_t>(t, o)); }
 __device__ __forceinline__ void st2_b(bf16* th, bf16* tl, int o, float x0, float x1) {
   uint32_t hi, lo;
-  split2_bits(x0, x1, hi, lo);
+  split2(x0, x1, hi, lo);
   at_byte<uint32_t>(th, o) = hi;
   if (tl != nullptr) at_byte<uint32_t>(tl, o) = lo;
 }
@@ -1036,7 +1024,7 @@ __device__ __forceinline__ void load_walk_tiles(char* smem, const char* rec, int
 // an fp16 pair times inv (a power of two) as bf16 hi + lo words: exact (an fp16 value has 11 significant bits)
 __device__ __forceinline__ void f16x2_split(uint32_t w, float inv, uint32_t& hi, uint32_t& lo, float2& x) {
   x = make_float2(f16_to_f32(static_cast<uint16_t>(w & 0xffffu)) * inv, f16_to_f32(static_cast<uint16_t>(w >> 16)) * inv);
-  split2_bits(x.x, x.y, hi, lo);
+  split2(x.x, x.y, hi, lo);
 }
 // winv: the powers 2^e of this thread's pieces, V_new's [0] and dV_new's [1] (stage_states loads them)
 template <int NT>
@@ -1098,7 +1086,7 @@ __device__ __forceinline__ void stage_states(char* smem, const char* S, const ch
     for (int i = 0; i < 4; ++i) {
       float2 t;
       f16x2_split(d[i], dinv[k], th[i], tl[i], t);
-      const float2 s0 = bf2_bits(a[i]);
+      const float2 s0 = bf2_to_f2(a[i]);
       dg[2 * i] = fmaf(s0.x, t.x, dg[2 * i]);
       dg[2 * i + 1] = fmaf(s0.y, t.y, dg[2 * i + 1]);
     }

@@ -455,7 +455,7 @@ __device__ __forceinline__ void rows_and_blocks(const Inputs& a, char* rec, Prep
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int j = rq * 16 + i;
-    const float2 kf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&kk[i]));
+    const float2 kf = bf2_to_f2(kk[i]);
     const uint32_t qw = *reinterpret_cast<const uint32_t*>(sm.q() + j * D + d0);
     const float2 qf = bf2_to_f2(qw);
     const float e0 = an0.rel(G0[i]), e1 = an1.rel(G1[i]);  // <= 1

@@ -131,9 +131,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
-// the two bf16 of a 32-bit word (low half first) as floats
+// The two bf16 of a 32-bit word (low half first) as floats, by a shift and a mask: bf16 -> FP32 is exact, and
+// __bfloat1622float2 costs a PRMT and two shifts per word where this costs one IMAD.U32 and one LOP3.
 __device__ __forceinline__ float2 bf2_to_f2(uint32_t w) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 // Two bf16 pairs multiplied elementwise (one HMUL2.BF16, rounded to nearest): exact when b holds powers of two and
 // the products stay in bf16's normal range.
@@ -144,11 +145,9 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 }
 // x ~= hi + lo with both bf16 (about 16 significant bits together).
 __device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-  float2 hf = __bfloat1622float2(h);
-  __nv_bfloat162 l = __floats2bfloat162_rn(x - hf.x, y - hf.y);
-  hi = *reinterpret_cast<uint32_t*>(&h);
-  lo = *reinterpret_cast<uint32_t*>(&l);
+  hi = pack_bf16(x, y);
+  const float2 h = bf2_to_f2(hi);
+  lo = pack_bf16(x - h.x, y - h.y);
 }
 // Two floats as an fp16 pair (round to nearest even; x in the low half), the word an f16 mma operand holds.
 __device__ __forceinline__ uint32_t pack_f16(float x, float y) {
@@ -178,9 +177,11 @@ __device__ __forceinline__ void split_afrag(const float (&t0)[4], const float (&
   split(t1[0], t1[1], hi[2], lo[2]);
   split(t1[2], t1[3], hi[3], lo[3]);
 }
-// A bf16 pair times sc (a power of two) as an fp16 pair: exact while |x sc| lies in [2^-14, 65504].
+// A bf16 pair times sc (a power of two) as an fp16 pair: exact while |x sc| lies in [2^-14, 65504]. Widened by
+// __bfloat1622float2, not bf2_to_f2: in the forward walk's step (its one caller) the shift and mask took ptxas from
+// 179-206 to 199-222 registers.
 __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w, float sc) {
-  const float2 f = bf2_to_f2(w);
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
   return pack_f16(f.x * sc, f.y * sc);
 }
 // The largest |x| over the warp's lanes (every lane gets it).
