@@ -298,7 +298,8 @@ __global__ void __launch_bounds__(32 * NW, NW >= 8 ? 1 : 2) walk_kernel(const Wa
 #pragma unroll
         for (int e = 0; e < 4; ++e) mb = __vmaxu2(mb, va[ks][e] & 0x7fff7fffu);
       }
-      const float m = fmaxf(__uint_as_float(mb << 16), __uint_as_float(mb & 0xffff0000u));
+      const float2 mf = bf2_to_f2(mb);
+      const float m = fmaxf(mf.x, mf.y);
       auto u_product = [&]() {
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
