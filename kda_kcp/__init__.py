@@ -45,13 +45,15 @@ _warned_forced_det = False
 
 
 def _package(deterministic, stacklevel=3):
-    """det or nondet for this flag (nondet is overridden by torch's deterministic mode, with one warning, attributed
-    ``stacklevel`` frames up: the caller's line)."""
+    """det or nondet for this flag (nondet is overridden by torch's deterministic mode, with one warning from the first
+    eager call, attributed ``stacklevel`` frames up: the caller's line)."""
     global _warned_forced_det
     if not check_flag("deterministic", deterministic):
         if not torch.are_deterministic_algorithms_enabled():
             return nondet
-        if not _warned_forced_det:
+        # (not while torch.compile traces the call: dynamo cannot trace warnings.warn, and setting the flag would
+        # mutate this module inside the trace, which it refuses under torch.utils.checkpoint)
+        if not _warned_forced_det and not torch.compiler.is_compiling():
             _warned_forced_det = True
             warnings.warn(
                 "kda_kcp: deterministic=False while torch.use_deterministic_algorithms(True) is on; "

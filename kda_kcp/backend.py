@@ -13,6 +13,7 @@ import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .archs import KERNEL_CAPABILITIES
 from .torch_backend import TorchBackend
@@ -114,11 +115,30 @@ def select_backend(device: torch.device, deterministic: bool):
     forced = os.environ.get("KDA_KCP_BACKEND", "").strip().lower()
     if forced not in ("", "torch", "cuda"):
         raise ValueError(f"KDA_KCP_BACKEND must be 'torch' or 'cuda', got {forced!r}")
+    if torch.compiler.is_compiling():
+        _selected_outside_the_trace(device, deterministic, forced)
+    return _cached_selection(device, deterministic, forced)
+
+
+def _cached_selection(device: torch.device, deterministic: bool, forced: str):
     key = (device, deterministic, forced)
     backend = _selected.get(key)
     if backend is None:
-        backend = _selected[key] = _select(device, deterministic, forced)
+        # The first selection may come from a fake kernel that torch.compile runs while it traces (kda_kcp.library),
+        # under the fake tensor mode: what it makes and keeps (the CUDA backend's status word and pinned host slots)
+        # must be real tensors, so it runs with every dispatch mode off.
+        with _disable_current_modes():
+            backend = _selected[key] = _select(device, deterministic, forced)
     return backend
+
+
+@torch.compiler.assume_constant_result
+def _selected_outside_the_trace(device: torch.device, deterministic: bool, forced: str) -> bool:
+    """The selection made for real when torch.compile traces a call that asks for a backend (chunk_kda's own
+    selection, in a process whose first call is compiled): dynamo runs a function marked so eagerly and keeps its
+    result as a constant, so the programs load outside the graph and the traced lookup then finds them."""
+    _cached_selection(device, deterministic, forced)
+    return True
 
 
 def _select(device: torch.device, deterministic: bool, forced: str):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from .handles import new_handle
 from .partition import LAYOUTS, check_cu_seqlens, partition_kcp
 from .plan import KcpPlan, LocalPlan, build_plan
+from . import validate
 from .validate import check_positive_int
 
 __all__ = ["KcpContext", "build_context_kcp"]
@@ -99,6 +100,9 @@ class KcpContext:
             f"KcpContext(layout={self.layout!r}, world_size={self.world_size}, rank={self.rank}, "
             f"T={self.num_tokens}, local_tokens={self.local_tokens}, docs={self.num_docs}, pieces={self.pieces})"
         )
+
+
+validate.KcpContextClass = KcpContext  # what validate.check_context tests against
 
 
 def fingerprint(cu: list[int], layout: str, world_size: int) -> list[int]:

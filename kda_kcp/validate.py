@@ -27,16 +27,16 @@ def check_positive_int(name: str, value, none_ok: bool = False) -> None:
         raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, got {value!r}")
 
 
-_KcpContext = None  # kda_kcp.context.KcpContext, bound at the first check (context imports partition, which imports
-# this module): a function-level import costs ~1 us on every call's way to its first kernel
+# kda_kcp.context.KcpContext, bound by kda_kcp.context as it loads (importing the package loads it before any call).
+# This module cannot import it (context imports partition, which imports this module); a function-level import costs
+# ~1 us on every call's way to its first kernel, and binding it at the first check would mutate this module inside a
+# torch.compile trace when that check is the process's first, which dynamo refuses under torch.utils.checkpoint.
+KcpContextClass: type = type(None)
 
 
 def check_context(ctx):
     """``ctx`` is a KcpContext; returns it."""
-    global _KcpContext
-    if _KcpContext is None:
-        from .context import KcpContext as _KcpContext
-    if not isinstance(ctx, _KcpContext):
+    if not isinstance(ctx, KcpContextClass):
         raise TypeError(f"ctx must be a KcpContext from build_context_kcp, got {type(ctx).__name__}")
     return ctx
 

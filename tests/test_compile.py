@@ -6,6 +6,8 @@ torch.utils.checkpoint too, at W = 1 and over gloo at W = 2."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -180,6 +182,105 @@ def test_a_context_gone_before_the_backward_raises():
     gc.collect()
     with pytest.raises(RuntimeError, match="KcpContext of this compiled call no longer exists"):
         o.backward(do)
+
+
+# A process whose first kda_kcp call is a compiled one: nothing the library binds or selects lazily may do it inside
+# the trace (a module global set under torch.utils.checkpoint, warnings.warn, tensors made under the fake mode).
+# Run in a fresh interpreter, since this process has made its first calls long before.
+FIRST_CALL_COMPILED = """
+import sys
+import torch
+from torch.utils.checkpoint import checkpoint
+import kda_kcp
+
+deterministic = sys.argv[1] == "det"
+if not deterministic:  # the nondet flag under torch's deterministic mode: kda_kcp.det runs, an eager call warns
+    torch.use_deterministic_algorithms(True)
+
+def step(q, k, v, g, beta, ctx):
+    return checkpoint(kda_kcp.chunk_kda_kcp, q, k, v, g, beta, ctx, deterministic=deterministic, use_reentrant=False)
+
+gen = torch.Generator().manual_seed(3)
+T, H = 90, 2
+inputs = [torch.nn.functional.normalize(torch.randn(T, H, 16, generator=gen), dim=-1),
+          torch.nn.functional.normalize(torch.randn(T, H, 16, generator=gen), dim=-1),
+          torch.randn(T, H, 8, generator=gen), -torch.rand(T, H, 16, generator=gen), torch.rand(T, H, generator=gen)]
+do = torch.randn(T, H, 8, generator=gen)
+ctx = kda_kcp.build_context_kcp(torch.tensor([0, 40, 90]))
+results = []
+for fn in (torch.compile(step, fullgraph=True, backend="aot_eager"), step):  # the compiled call first
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o = fn(*leaves, ctx)
+    o.backward(do)
+    results.append([o.detach()] + [x.grad for x in leaves])
+print(all(torch.equal(a, b) for a, b in zip(*results)))
+"""
+
+
+@pytest.mark.parametrize("flag", ["det", "nondet_forced_det"])
+def test_a_process_whose_first_call_is_compiled_under_checkpoint(flag):
+    out = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED, flag], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == ["True"]  # the compiled call's o and gradients bitwise the eager call's
+
+
+def test_a_backend_first_selected_inside_the_fake_kernel_keeps_real_tensors(monkeypatch):
+    """In a process whose first call is compiled, the forward op's fake kernel selects the backend under the fake
+    tensor mode; what the selection makes and keeps (on CUDA: the status word and its pinned host slots, made when
+    the programs load) must be real tensors. Here the torch backend stands for it, its selection making the CPU
+    status word, on fresh selection and status caches."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    import kda_kcp.backend as backend
+    from kda_kcp import status
+
+    made = []
+
+    def select(device, deterministic, forced):
+        made.append(status.word(device))
+        return backend.TORCH
+
+    monkeypatch.setattr(backend, "_selected", {})
+    monkeypatch.setattr(backend, "_select", select)
+    monkeypatch.setattr(status, "_STATUS", {})
+    model = Mixer()
+    compiled = fresh_compile(model, "aot_eager")
+    ctx = kda_kcp.build_context_kcp(offsets([30, 70]))
+    x, g, beta, do = mixer_inputs(100)
+    got = outputs_and_grads(compiled, x, g, beta, do, ctx)
+    assert len(made) == 1 and not isinstance(made[0], FakeTensor)  # selected once, in the trace, for real
+    assert status.word(torch.device("cpu")) is made[0]
+    assert_bitwise(got, outputs_and_grads(model, x, g, beta, do, ctx))
+
+
+def test_a_backend_first_selected_in_traced_code(monkeypatch):
+    """chunk_kda selects its backend in the code torch.compile traces; in a process whose first call is compiled
+    that selection loads the programs, which no trace can follow (locks, library loads, tensors read on the host):
+    it runs for real, once, and the traced call goes on with the backend it made. A torch backend whose selection
+    does such work stands for the CUDA one here."""
+    import threading
+
+    import kda_kcp.backend as backend
+
+    calls = []
+
+    def select(device, deterministic, forced):
+        with threading.Lock():
+            calls.append(int(torch.ones(1).numpy()[0]))
+        return backend.TORCH
+
+    monkeypatch.setattr(backend, "_selected", {})
+    monkeypatch.setattr(backend, "_select", select)
+
+    def f(x):
+        b = backend.select_backend(x.device, True)
+        return x.to(b.summary_dtype(x)) * 2
+
+    compiled = fresh_compile(f, "aot_eager")
+    assert torch.equal(compiled(torch.ones(3, dtype=torch.float64)), torch.full((3,), 2.0, dtype=torch.float64))
+    assert calls == [1]
+    assert graph_breaks() == 0
 
 
 def fla_inputs(B, T, seed=0):

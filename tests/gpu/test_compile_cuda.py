@@ -1,10 +1,11 @@
 """torch.compile(fullgraph=True) on the CUDA backend at W = 1 (tests/test_compile.py runs the same on the CPU, and W = 2
 over gloo): chunk_kda_kcp and chunk_kda compile with no graph break into one graph that new contexts reuse, and o and
 every gradient are bitwise equal to eager, with aot_eager and inductor, under torch.utils.checkpoint, with a
-WorkspaceKcp."""
+WorkspaceKcp, and in a process whose first call is the compiled one."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,3 +108,51 @@ def test_chunk_kda_compiled_equals_eager(fn, backend):
         assert_bitwise(_run(compiled, inputs, do, cu_seqlens), _run(fn, inputs, do, cu_seqlens))
     # the two packs' offsets differ in count: dynamo compiles the second with a dynamic cu_seqlens length
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+
+
+# A process whose first kda_kcp call is a compiled one: the CUDA backend is then selected, and its programs and status
+# buffers made, while torch.compile traces (the forward op's fake kernel; chunk_kda's own selection). Run in a fresh
+# interpreter, since this one has made its first calls before.
+FIRST_CALL_COMPILED = """
+import sys
+import torch
+from torch.utils.checkpoint import checkpoint
+import kda_kcp
+
+which = sys.argv[1]
+gen = torch.Generator().manual_seed(5)
+T, H = 3000, 4
+q, k = (torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16().cuda() for _ in "qk")
+v = torch.randn(T, H, 128, generator=gen).bfloat16().cuda()
+g = (-5 * torch.rand(T, H, 128, generator=gen)).cuda()
+beta = torch.rand(T, H, generator=gen).bfloat16().cuda()
+do = torch.randn(T, H, 128, generator=gen).bfloat16().cuda()
+cu = torch.tensor([0, 1000, 3000], device="cuda")
+ctx = kda_kcp.build_context_kcp(cu)
+
+def kcp(q, k, v, g, beta):
+    return checkpoint(kda_kcp.chunk_kda_kcp, q, k, v, g, beta, ctx, use_reentrant=False)
+
+def fla(q, k, v, g, beta):  # raw gate, beta logits and q / k: chunk_kda's in-call activations
+    o, _ = kda_kcp.chunk_kda(q[None], k[None], v[None], g[None], beta[None], use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, A_log=torch.zeros(H, device="cuda"), lower_bound=-5.0,
+                             use_beta_sigmoid_in_kernel=True, cu_seqlens=cu)
+    return o[0]
+
+fn = {"kcp": kcp, "fla": fla}[which]
+results = []
+for f in (torch.compile(fn, fullgraph=True, backend="aot_eager"), fn):  # the compiled call first
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o = f(*leaves)
+    o.backward(do)
+    results.append([o.detach()] + [x.grad for x in leaves])
+print(all(torch.equal(a, b) for a, b in zip(*results)))
+"""
+
+
+@pytest.mark.parametrize("which", ["kcp", "fla"])
+def test_a_process_whose_first_call_is_compiled(which):
+    out = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED, which], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == ["True"]  # the compiled call's o and gradients bitwise the eager call's
