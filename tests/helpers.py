@@ -4,6 +4,7 @@ tuning choices, and spawning gloo process groups (the GPU tests import it too)."
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -30,6 +31,28 @@ def with_value(inputs, name, value, at):
     else:
         x[t, h] = fill
     return out
+
+
+# What first_call_compiled runs after its setup: the compiled call of fn first, then the eager one, on fresh leaves
+_COMPILED_THEN_EAGER = """
+results = []
+for f in (torch.compile(fn, fullgraph=True, backend="aot_eager"), fn):
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    o = f(*leaves)
+    o.backward(do)
+    results.append([o.detach()] + [x.grad for x in leaves])
+print(all(torch.equal(a, b) for a, b in zip(*results)))
+"""
+
+
+def first_call_compiled(setup: str, *args: str) -> None:
+    """In a fresh interpreter (``args`` its sys.argv[1:]), ``setup`` defines fn, its input tensors ``inputs`` and
+    the output gradient ``do``; a torch.compile(fullgraph=True) call of fn is the process's first kda_kcp call, and its
+    o and gradients must be bitwise those of the eager call after it."""
+    out = subprocess.run([sys.executable, "-c", setup + _COMPILED_THEN_EAGER, *args], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.split() == ["True"]
 
 
 def assert_bitwise(got, want):

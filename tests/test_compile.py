@@ -6,8 +6,6 @@ torch.utils.checkpoint too, at W = 1 and over gloo at W = 2."""
 from __future__ import annotations
 
 import gc
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,7 @@ import torch._dynamo
 from torch.utils.checkpoint import checkpoint
 
 import kda_kcp
-from helpers import assert_bitwise, fresh_compile, make_inputs, offsets, run_distributed
+from helpers import assert_bitwise, first_call_compiled, fresh_compile, make_inputs, offsets, run_distributed
 
 H, K, V = 2, 16, 8
 F32 = torch.float32
@@ -186,7 +184,7 @@ def test_a_context_gone_before_the_backward_raises():
 
 # A process whose first kda_kcp call is a compiled one: nothing the library binds or selects lazily may do it inside
 # the trace (a module global set under torch.utils.checkpoint, warnings.warn, tensors made under the fake mode).
-# Run in a fresh interpreter, since this process has made its first calls long before.
+# Run in a fresh interpreter (helpers.first_call_compiled), since this process has made its first calls long before.
 FIRST_CALL_COMPILED = """
 import sys
 import torch
@@ -197,7 +195,7 @@ deterministic = sys.argv[1] == "det"
 if not deterministic:  # the nondet flag under torch's deterministic mode: kda_kcp.det runs, an eager call warns
     torch.use_deterministic_algorithms(True)
 
-def step(q, k, v, g, beta, ctx):
+def fn(q, k, v, g, beta):
     return checkpoint(kda_kcp.chunk_kda_kcp, q, k, v, g, beta, ctx, deterministic=deterministic, use_reentrant=False)
 
 gen = torch.Generator().manual_seed(3)
@@ -207,22 +205,12 @@ inputs = [torch.nn.functional.normalize(torch.randn(T, H, 16, generator=gen), di
           torch.randn(T, H, 8, generator=gen), -torch.rand(T, H, 16, generator=gen), torch.rand(T, H, generator=gen)]
 do = torch.randn(T, H, 8, generator=gen)
 ctx = kda_kcp.build_context_kcp(torch.tensor([0, 40, 90]))
-results = []
-for fn in (torch.compile(step, fullgraph=True, backend="aot_eager"), step):  # the compiled call first
-    leaves = [x.clone().requires_grad_() for x in inputs]
-    o = fn(*leaves, ctx)
-    o.backward(do)
-    results.append([o.detach()] + [x.grad for x in leaves])
-print(all(torch.equal(a, b) for a, b in zip(*results)))
 """
 
 
 @pytest.mark.parametrize("flag", ["det", "nondet_forced_det"])
 def test_a_process_whose_first_call_is_compiled_under_checkpoint(flag):
-    out = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED, flag], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.split() == ["True"]  # the compiled call's o and gradients bitwise the eager call's
+    first_call_compiled(FIRST_CALL_COMPILED, flag)
 
 
 def test_a_backend_first_selected_inside_the_fake_kernel_keeps_real_tensors(monkeypatch):

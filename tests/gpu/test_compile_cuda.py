@@ -5,7 +5,6 @@ WorkspaceKcp, and in a process whose first call is the compiled one."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ require_kernel_gpu("the torch.compile tests on the CUDA backend")
 import kda_kcp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers import assert_bitwise, fresh_compile  # noqa: E402
+from helpers import assert_bitwise, first_call_compiled, fresh_compile  # noqa: E402
 
 SEED = fresh_seed("compile cuda")
 H = 4
@@ -112,7 +111,7 @@ def test_chunk_kda_compiled_equals_eager(fn, backend):
 
 # A process whose first kda_kcp call is a compiled one: the CUDA backend is then selected, and its programs and status
 # buffers made, while torch.compile traces (the forward op's fake kernel; chunk_kda's own selection). Run in a fresh
-# interpreter, since this one has made its first calls before.
+# interpreter (helpers.first_call_compiled), since this one has made its first calls before.
 FIRST_CALL_COMPILED = """
 import sys
 import torch
@@ -140,19 +139,10 @@ def fla(q, k, v, g, beta):  # raw gate, beta logits and q / k: chunk_kda's in-ca
     return o[0]
 
 fn = {"kcp": kcp, "fla": fla}[which]
-results = []
-for f in (torch.compile(fn, fullgraph=True, backend="aot_eager"), fn):  # the compiled call first
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-    o = f(*leaves)
-    o.backward(do)
-    results.append([o.detach()] + [x.grad for x in leaves])
-print(all(torch.equal(a, b) for a, b in zip(*results)))
+inputs = (q, k, v, g, beta)
 """
 
 
 @pytest.mark.parametrize("which", ["kcp", "fla"])
 def test_a_process_whose_first_call_is_compiled(which):
-    out = subprocess.run([sys.executable, "-c", FIRST_CALL_COMPILED, which], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.split() == ["True"]  # the compiled call's o and gradients bitwise the eager call's
+    first_call_compiled(FIRST_CALL_COMPILED, which)
