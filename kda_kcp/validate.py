@@ -31,7 +31,11 @@ def check_positive_int(name: str, value, none_ok: bool = False) -> None:
 # This module cannot import it (context imports partition, which imports this module); a function-level import costs
 # ~1 us on every call's way to its first kernel, and binding it at the first check would mutate this module inside a
 # torch.compile trace when that check is the process's first, which dynamo refuses under torch.utils.checkpoint.
-KcpContextClass: type = type(None)
+class _Unbound:  # nothing is one: every check fails until kda_kcp.context binds its class
+    pass
+
+
+KcpContextClass: type = _Unbound
 
 
 def check_context(ctx):
