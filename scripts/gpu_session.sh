@@ -7,7 +7,7 @@
 #              head count in $HEADS, on the last GPU; WARM_CP=1 adds FLA's CP path, two ranks per head
 #              count); bench stages wait for them
 #   tests      the one-GPU tests: tests/gpu/test_workspace_cuda.py, test_fwd_cuda.py, test_bwd_cuda.py
-#              (or the files in $TEST_FILES)
+#              (or the files in $TEST_FILES), one pytest process per file
 #   nccl       tests/gpu/test_kcp_nccl.py (W = 2 over NCCL, or W = $KDA_KCP_TEST_WORLD; needs that many GPUs)
 #   bench1     benchmarks/bench_kda_kcp.py --world 1 --heads $HEADS (ops $OPS, arms det nd control fla)
 #   bench2     benchmarks/bench_kda_kcp.py --world ${WORLD2:-2} --heads $HEADS2 (all layouts, arms + fla_cp)
@@ -81,11 +81,13 @@ for st in "$@"; do
         fi
       done;;
     tests)
-      timeout $(tl 30) python3 -m pytest -q -s -p no:cacheprovider --durations=8 \
-        ${TEST_FILES:-tests/gpu/test_workspace_cuda.py tests/gpu/test_fwd_cuda.py tests/gpu/test_bwd_cuda.py} \
-        > "$OUT/tests.log" 2>&1
-      grep -E "rel|vs |passed|failed|Error|assert" "$OUT/tests.log" | tail -40
-      add "tests: $(tail -1 "$OUT/tests.log")";;
+      # one pytest process per file: a file whose tests pass only after another file's calls (a process's first
+      # call, made lazily) fails as it would in a user's process
+      for f in ${TEST_FILES:-tests/gpu/test_workspace_cuda.py tests/gpu/test_fwd_cuda.py tests/gpu/test_bwd_cuda.py}; do
+        timeout $(tl 30) python3 -m pytest -q -s -p no:cacheprovider --durations=8 "$f" >> "$OUT/tests.log" 2>&1
+        add "tests $(basename "$f"): $(tail -1 "$OUT/tests.log")"
+      done
+      grep -E "rel|vs |passed|failed|Error|assert" "$OUT/tests.log" | tail -40;;
     nccl)
       if [ "$ngpu" -lt "${KDA_KCP_TEST_WORLD:-2}" ]; then add "nccl: skipped ($ngpu GPU)"; continue; fi
       timeout $(tl 30) python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kcp_nccl.py \
