@@ -112,19 +112,19 @@ def test_chunk_kda_compiled_equals_eager(fn, backend):
 # A process whose first kda_kcp call is a compiled one: the CUDA backend is then selected, and its programs and status
 # buffers made, while torch.compile traces (the forward op's fake kernel; chunk_kda's own selection). Run in a fresh
 # interpreter (helpers.first_call_compiled), since this one has made its first calls before.
-FIRST_CALL_COMPILED = """
+FIRST_CALL_COMPILED = f"""
 import sys
 import torch
 from torch.utils.checkpoint import checkpoint
 import kda_kcp
 
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from gpu_common import make_inputs
+
 which = sys.argv[1]
 gen = torch.Generator().manual_seed(5)
 T, H = 3000, 4
-q, k = (torch.nn.functional.normalize(torch.randn(T, H, 128, generator=gen), dim=-1).bfloat16().cuda() for _ in "qk")
-v = torch.randn(T, H, 128, generator=gen).bfloat16().cuda()
-g = (-5 * torch.rand(T, H, 128, generator=gen)).cuda()
-beta = torch.rand(T, H, generator=gen).bfloat16().cuda()
+q, k, v, g, beta = make_inputs(T, H, gen)
 do = torch.randn(T, H, 128, generator=gen).bfloat16().cuda()
 cu = torch.tensor([0, 1000, 3000], device="cuda")
 ctx = kda_kcp.build_context_kcp(cu)
@@ -138,7 +138,7 @@ def fla(q, k, v, g, beta):  # raw gate, beta logits and q / k: chunk_kda's in-ca
                              use_beta_sigmoid_in_kernel=True, cu_seqlens=cu)
     return o[0]
 
-fn = {"kcp": kcp, "fla": fla}[which]
+fn = {{"kcp": kcp, "fla": fla}}[which]
 inputs = (q, k, v, g, beta)
 """
 
